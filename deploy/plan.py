@@ -1,0 +1,146 @@
+"""The deployment plan: what `planner plan` writes and `deploy up --plan` runs.
+
+    model: facebook/opt-1.3b
+    gateway: {port: 8000, policy: least_outstanding_tokens, queue_size: 1024, queue_wait_s: 30}
+    replicas:
+      - name: r0
+        model: facebook/opt-1.3b
+        port: 8001
+        max_num_seqs: 256
+        max_model_len: 2048
+        gpu_memory_utilization: 0.45      # a per-instance fraction (GPU), or
+        kv_cache_memory_bytes: null       # a KV pool size in bytes (GPU), or
+        cpu_kvcache_space_gib: null       # VLLM_CPU_KVCACHE_SPACE (CPU build)
+        extra_args: []
+        admission: {max_requests: 256, max_outstanding_tokens: null}
+    reasoning: {...}                      # free-form: B*, the rule, the numbers it came from
+    validation: {...}                     # free-form: what `planner validate` measured
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class PlanError(ValueError):
+    """A plan file or value is wrong; the message names it."""
+
+
+@dataclass(frozen=True)
+class Admission:
+    """The gateway's admission caps for one replica (None: uncapped)."""
+
+    max_requests: int | None = None
+    max_outstanding_tokens: int | None = None
+
+
+@dataclass(frozen=True)
+class ReplicaSpec:
+    """How to launch one vLLM replica."""
+
+    name: str
+    model: str
+    port: int
+    max_num_seqs: int | None = None
+    max_model_len: int | None = None
+    gpu_memory_utilization: float | None = None
+    kv_cache_memory_bytes: int | None = None
+    cpu_kvcache_space_gib: float | None = None
+    extra_args: tuple[str, ...] = ()
+    admission: Admission = field(default_factory=Admission)
+
+    def __post_init__(self) -> None:
+        if not 0 < self.port < 65536:
+            raise PlanError(f"replica {self.name!r} port must be 1..65535, got {self.port!r}")
+        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
+            raise PlanError(f"replica {self.name!r} gpu_memory_utilization must be in (0, 1], "
+                            f"got {self.gpu_memory_utilization!r}")
+        for name in ("max_num_seqs", "max_model_len", "kv_cache_memory_bytes"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value <= 0):
+                raise PlanError(f"replica {self.name!r} {name} must be a positive integer, got {value!r}")
+        if self.cpu_kvcache_space_gib is not None and self.cpu_kvcache_space_gib <= 0:
+            raise PlanError(f"replica {self.name!r} cpu_kvcache_space_gib must be positive")
+
+
+@dataclass(frozen=True)
+class GatewaySpec:
+    """How to run the gateway in front of the replicas."""
+
+    port: int = 8000
+    policy: str = "least_outstanding_tokens"
+    queue_size: int = 0
+    queue_wait_s: float = 30.0
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A whole deployment: the replicas, the gateway, and why."""
+
+    model: str
+    replicas: tuple[ReplicaSpec, ...]
+    gateway: GatewaySpec = field(default_factory=GatewaySpec)
+    reasoning: dict[str, Any] = field(default_factory=dict)
+    validation: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.replicas:
+            raise PlanError("a plan needs at least one replica")
+        ports = [r.port for r in self.replicas] + [self.gateway.port]
+        if len(set(ports)) != len(ports):
+            raise PlanError(f"ports collide in the plan: {ports}")
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        for replica in data["replicas"]:
+            replica["extra_args"] = list(replica["extra_args"])
+        data["replicas"] = list(data["replicas"])
+        return data
+
+
+def _replica(data: Any, index: int) -> ReplicaSpec:
+    if not isinstance(data, dict):
+        raise PlanError(f"replicas[{index}] must be a mapping")
+    data = dict(data)
+    data.setdefault("name", f"r{index}")
+    data["admission"] = Admission(**(data.get("admission") or {}))
+    data["extra_args"] = tuple(str(a) for a in data.get("extra_args") or ())
+    try:
+        return ReplicaSpec(**data)
+    except TypeError as exc:
+        raise PlanError(f"replicas[{index}]: {exc}") from exc
+
+
+def from_dict(data: Any) -> Plan:
+    """Build a plan from a parsed YAML mapping, naming any bad key or value."""
+    if not isinstance(data, dict) or "replicas" not in data or "model" not in data:
+        raise PlanError("a plan is a mapping with at least `model` and `replicas`")
+    try:
+        return Plan(
+            model=str(data["model"]),
+            replicas=tuple(_replica(r, i) for i, r in enumerate(data["replicas"] or [])),
+            gateway=GatewaySpec(**(data.get("gateway") or {})),
+            reasoning=dict(data.get("reasoning") or {}),
+            validation=dict(data.get("validation") or {}),
+        )
+    except TypeError as exc:
+        raise PlanError(f"plan: {exc}") from exc
+
+
+def load(path: str | Path) -> Plan:
+    """Read a plan file."""
+    try:
+        return from_dict(yaml.safe_load(Path(path).read_text()))
+    except OSError as exc:
+        raise PlanError(f"cannot read plan {str(path)!r}: {exc.strerror}") from exc
+    except yaml.YAMLError as exc:
+        raise PlanError(f"plan {str(path)!r} is not valid YAML: {exc}") from exc
+
+
+def dump(plan: Plan, path: str | Path) -> None:
+    """Write a plan file."""
+    Path(path).write_text(yaml.safe_dump(plan.to_dict(), sort_keys=False))

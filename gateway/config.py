@@ -1,0 +1,254 @@
+"""The gateway's configuration: frozen values, validated at construction, loaded from flags and/or YAML.
+
+YAML (every key optional; flags given on the command line win over the file):
+
+    host: 0.0.0.0
+    port: 8000
+    policy: least_outstanding_tokens      # round_robin | random | least_requests | power_of_two
+    replicas:                             # plain URLs or mappings
+      - http://127.0.0.1:8001
+      - {url: http://127.0.0.1:8002, weight: 2.0, max_requests: 256, max_outstanding_tokens: 200000}
+    discovery:                            # DNS names re-resolved on an interval (e.g. a headless Service)
+      - {name: vllm.default.svc.cluster.local, port: 8000, scheme: http, interval_s: 10}
+    default_max_tokens: 256               # output budget when a request names none
+    tokenizers: {my-model: /path/to/tokenizer.json or a model directory}
+    timeouts: {connect_s: 5, first_byte_s: 300, idle_s: 60}
+    health: {interval_s: 2, timeout_s: 2}
+    retry: {max_attempts: 3, max_time_s: 10}
+    queue: {max_size: 0, max_wait_s: 30}  # max_size 0: no admission queue (429 when every replica is at its cap)
+    max_body_bytes: 4194304
+    api_keys: [sk-client-1]               # clients must send one of these as a Bearer token
+    upstream_api_key: sk-upstream         # sent to the replicas
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import yaml
+
+POLICY_NAMES = ("least_outstanding_tokens", "round_robin", "random", "least_requests", "power_of_two")
+
+
+class ConfigError(ValueError):
+    """A configuration value is wrong; the message names it."""
+
+
+def _positive(name: str, value: float, allow_zero: bool = False) -> None:
+    ok = value >= 0 if allow_zero else value > 0
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok or not math.isfinite(value):
+        raise ConfigError(f"{name} must be a {'non-negative' if allow_zero else 'positive'} number, got {value!r}")
+
+
+def _check_url(url: object) -> str:
+    if not isinstance(url, str):
+        raise ConfigError(f"replica {url!r} is not an http(s) URL")
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigError(f"replica {url!r} is not an http(s) URL")
+    return url.rstrip("/")
+
+
+@dataclass(frozen=True)
+class ReplicaConfig:
+    """One replica: where it is, its relative capacity, and its admission caps (None: uncapped)."""
+
+    url: str
+    weight: float = 1.0
+    max_requests: int | None = None
+    max_outstanding_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "url", _check_url(self.url))
+        _positive(f"replica {self.url!r} weight", self.weight)
+        for name in ("max_requests", "max_outstanding_tokens"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+                raise ConfigError(f"replica {self.url!r} {name} must be a positive integer, got {value!r}")
+
+
+@dataclass(frozen=True)
+class DiscoveryConfig:
+    """A DNS name whose addresses are replicas, re-resolved every `interval_s`."""
+
+    name: str
+    port: int = 8000
+    scheme: str = "http"
+    interval_s: float = 10.0
+    weight: float = 1.0
+    max_requests: int | None = None
+    max_outstanding_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ConfigError(f"discovery name must be a host name, got {self.name!r}")
+        if not isinstance(self.port, int) or not 0 < self.port < 65536:
+            raise ConfigError(f"discovery {self.name!r} port must be 1..65535, got {self.port!r}")
+        if self.scheme not in ("http", "https"):
+            raise ConfigError(f"discovery {self.name!r} scheme must be http or https, got {self.scheme!r}")
+        _positive(f"discovery {self.name!r} interval_s", self.interval_s)
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    """Seconds allowed to connect, to receive the response head, and between two body chunks."""
+
+    connect_s: float = 5.0
+    first_byte_s: float = 300.0
+    idle_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            _positive(f"timeouts.{f.name}", getattr(self, f.name))
+
+
+@dataclass(frozen=True)
+class HealthConfig:
+    """Active health probes: how often, and how long one may take."""
+
+    interval_s: float = 2.0
+    timeout_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            _positive(f"health.{f.name}", getattr(self, f.name))
+
+
+@dataclass(frozen=True)
+class RetryConfig:
+    """Retries before the first byte reaches the client, bounded in attempts and in time."""
+
+    max_attempts: int = 3
+    max_time_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_attempts, int) or self.max_attempts < 1:
+            raise ConfigError(f"retry.max_attempts must be an integer >= 1, got {self.max_attempts!r}")
+        _positive("retry.max_time_s", self.max_time_s)
+
+
+@dataclass(frozen=True)
+class QueueConfig:
+    """The admission queue used when every candidate replica is at its cap (max_size 0: no queue)."""
+
+    max_size: int = 0
+    max_wait_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_size, int) or isinstance(self.max_size, bool) or self.max_size < 0:
+            raise ConfigError(f"queue.max_size must be an integer >= 0, got {self.max_size!r}")
+        _positive("queue.max_wait_s", self.max_wait_s)
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    """Everything the gateway needs to run."""
+
+    replicas: tuple[ReplicaConfig, ...] = ()
+    discovery: tuple[DiscoveryConfig, ...] = ()
+    host: str = "0.0.0.0"
+    port: int = 8000
+    policy: str = "least_outstanding_tokens"
+    default_max_tokens: int = 256
+    tokenizers: tuple[tuple[str, str], ...] = ()
+    timeouts: Timeouts = field(default_factory=Timeouts)
+    health: HealthConfig = field(default_factory=HealthConfig)
+    retry: RetryConfig = field(default_factory=RetryConfig)
+    queue: QueueConfig = field(default_factory=QueueConfig)
+    max_body_bytes: int = 4 * 1024 * 1024
+    api_keys: tuple[str, ...] = ()
+    upstream_api_key: str | None = None
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if not self.replicas and not self.discovery:
+            raise ConfigError("no replicas: give --replica URL (or replicas:/discovery: in the config file)")
+        urls = [r.url for r in self.replicas]
+        if len(set(urls)) != len(urls):
+            raise ConfigError(f"replicas are listed twice: {sorted(u for u in set(urls) if urls.count(u) > 1)}")
+        if self.policy not in POLICY_NAMES:
+            raise ConfigError(f"policy {self.policy!r} is not one of {', '.join(POLICY_NAMES)}")
+        if not isinstance(self.port, int) or not 0 <= self.port < 65536:
+            raise ConfigError(f"port must be 0..65535, got {self.port!r}")
+        if not isinstance(self.default_max_tokens, int) or self.default_max_tokens <= 0:
+            raise ConfigError(f"default_max_tokens must be a positive integer, got {self.default_max_tokens!r}")
+        if not isinstance(self.max_body_bytes, int) or self.max_body_bytes <= 0:
+            raise ConfigError(f"max_body_bytes must be a positive integer, got {self.max_body_bytes!r}")
+        if any(not isinstance(k, str) or not k for k in self.api_keys):
+            raise ConfigError("api_keys must be non-empty strings")
+        if self.log_level.lower() not in ("debug", "info", "warning", "error"):
+            raise ConfigError(f"log_level must be debug, info, warning or error, got {self.log_level!r}")
+
+    def tokenizer_map(self) -> dict[str, str]:
+        return dict(self.tokenizers)
+
+
+_SECTIONS = {"timeouts": Timeouts, "health": HealthConfig, "retry": RetryConfig, "queue": QueueConfig}
+
+
+def _build(cls: type, where: str, data: Any) -> Any:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where} must be a mapping, got {data!r}")
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ConfigError(f"unknown key(s) in {where}: {', '.join(map(str, unknown))}")
+    try:
+        return cls(**data)
+    except TypeError as exc:
+        raise ConfigError(f"{where}: {exc}") from exc
+
+
+def _replica(item: Any) -> ReplicaConfig:
+    if isinstance(item, str):
+        return ReplicaConfig(url=item)
+    return _build(ReplicaConfig, "replicas[]", item)  # type: ignore[no-any-return]
+
+
+def from_mapping(data: dict[str, Any]) -> GatewayConfig:
+    """Build a config from a parsed YAML mapping, naming any bad key or value."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"the config file must hold a mapping, got {type(data).__name__}")
+    data = dict(data)
+    for key, cls in _SECTIONS.items():
+        if key in data:
+            data[key] = _build(cls, key, data[key])
+    if "replicas" in data:
+        if not isinstance(data["replicas"], list):
+            raise ConfigError("replicas must be a list")
+        data["replicas"] = tuple(_replica(r) for r in data["replicas"])
+    if "discovery" in data:
+        if not isinstance(data["discovery"], list):
+            raise ConfigError("discovery must be a list")
+        data["discovery"] = tuple(_build(DiscoveryConfig, "discovery[]", d) for d in data["discovery"])
+    if "tokenizers" in data:
+        if not isinstance(data["tokenizers"], dict):
+            raise ConfigError("tokenizers must map model names to tokenizer paths")
+        data["tokenizers"] = tuple((str(k), str(v)) for k, v in data["tokenizers"].items())
+    if "api_keys" in data:
+        if not isinstance(data["api_keys"], list):
+            raise ConfigError("api_keys must be a list of strings")
+        data["api_keys"] = tuple(data["api_keys"])
+    return _build(GatewayConfig, "the config file", data)  # type: ignore[no-any-return]
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    """Read a YAML config file into a mapping (empty file: empty mapping)."""
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {str(path)!r}: {exc.strerror}") from exc
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {str(path)!r} is not valid YAML: {exc}") from exc
+    return data or {}
+
+
+def with_overrides(config: GatewayConfig, **changes: Any) -> GatewayConfig:
+    """A copy of `config` with the given fields replaced (validated again)."""
+    return replace(config, **changes)
