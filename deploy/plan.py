@@ -13,6 +13,7 @@
         cpu_kvcache_space_gib: null       # VLLM_CPU_KVCACHE_SPACE (CPU build)
         extra_args: []
         admission: {max_requests: 256, max_outstanding_tokens: null}
+        served_model_name: null           # optional: the name clients ask for (default: model)
     reasoning: {...}                      # free-form: B*, the rule, the numbers it came from
     validation: {...}                     # free-form: what `planner validate` measured
 """
@@ -52,6 +53,7 @@ class ReplicaSpec:
     cpu_kvcache_space_gib: float | None = None
     extra_args: tuple[str, ...] = ()
     admission: Admission = field(default_factory=Admission)
+    served_model_name: str | None = None  # the name clients use (vLLM's --served-model-name); None: `model`
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:

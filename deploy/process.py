@@ -1,0 +1,219 @@
+"""Processes that own their process group: a vLLM server, the gateway, anything with a health URL.
+
+    with VllmServer(spec, log_path, env) as server:      # started, and /health answered 200
+        ...server.url...
+    # the whole process group is gone here: SIGTERM, then SIGKILL after `stop_grace_s`
+
+Each process is started in a new session (its own process group), so stopping it reaches every child
+it made (vLLM's engine core, its workers) and nothing else. `wait_ready` fails fast with `ProcessDied`
+when the process exits while we wait, and with `StartupTimeout` when it is not healthy in time.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from types import TracebackType
+
+from deploy.plan import ReplicaSpec
+
+logger = logging.getLogger(__name__)
+
+POLL_S = 0.5
+
+
+class ProcessError(RuntimeError):
+    """A managed process failed to start or to become healthy; the message says which and why."""
+
+
+class ProcessDied(ProcessError):
+    """The process exited while we waited for it to become healthy."""
+
+
+class StartupTimeout(ProcessError):
+    """The process did not become healthy in time."""
+
+
+def probe(url: str, timeout_s: float = 2.0) -> bool:
+    """Whether GET `url` answers 200 within `timeout_s`."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as response:
+            return bool(response.status == 200)
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+def tail(path: Path, lines: int = 20) -> str:
+    """The last `lines` lines of a log file ('' when unreadable)."""
+    try:
+        with path.open("rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 16384))
+            return b"\n".join(f.read().splitlines()[-lines:]).decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def group_alive(pgid: int) -> bool:
+    """Whether any process is left in process group `pgid`."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class ManagedProcess:
+    """A command run in its own process group, logged to a file, healthy when `health_url` answers 200."""
+
+    def __init__(self, name: str, argv: Sequence[str], log_path: str | Path, health_url: str,
+                 env: Mapping[str, str] | None = None, *, startup_timeout_s: float = 600.0,
+                 stop_grace_s: float = 10.0) -> None:
+        self.name = name
+        self.argv = tuple(argv)
+        self.log_path = Path(log_path)
+        self.health_url = health_url
+        self.env = dict(os.environ if env is None else env)
+        self.startup_timeout_s = startup_timeout_s
+        self.stop_grace_s = stop_grace_s
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc else None
+
+    def start(self) -> None:
+        """Start the process (not waiting for health); the log file is appended to."""
+        if self.running():
+            raise ProcessError(f"{self.name} is already running (pid {self.pid})")
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with self.log_path.open("ab") as log:
+            log.write(f"\n==== {time.strftime('%Y-%m-%d %H:%M:%S')} starting: {' '.join(self.argv)}\n".encode())
+            log.flush()
+            self._proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                          env=self.env, start_new_session=True)
+        logger.info("%s started, pid %d, log %s", self.name, self._proc.pid, self.log_path)
+
+    def poll(self) -> int | None:
+        """The exit code if the process has exited, else None (also None when never started)."""
+        return self._proc.poll() if self._proc else None
+
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def healthy(self, timeout_s: float = 2.0) -> bool:
+        """Whether the process runs and its health URL answers 200."""
+        return self.running() and probe(self.health_url, timeout_s)
+
+    def wait_ready(self, timeout_s: float | None = None) -> None:
+        """Block until healthy; raise ProcessDied at once if the process exits, StartupTimeout after `timeout_s`."""
+        limit = self.startup_timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + limit
+        while True:
+            code = self.poll()
+            if self._proc is None or code is not None:
+                raise ProcessDied(f"{self.name} exited with code {code} before it was healthy; "
+                                  f"log {self.log_path}:\n{tail(self.log_path)}")
+            if probe(self.health_url, timeout_s=min(2.0, max(0.1, deadline - time.monotonic()))):
+                logger.info("%s is healthy at %s", self.name, self.health_url)
+                return
+            if time.monotonic() >= deadline:
+                raise StartupTimeout(f"{self.name} was not healthy at {self.health_url} within {limit:g} s; "
+                                     f"log {self.log_path}:\n{tail(self.log_path)}")
+            time.sleep(POLL_S)
+
+    def stop(self) -> None:
+        """Stop the whole process group: SIGTERM, then SIGKILL after the grace period. Idempotent."""
+        if self._proc is None:
+            return
+        pgid = self._proc.pid  # start_new_session: the leader's pid is the group id
+        self._signal_group(pgid, signal.SIGTERM)
+        deadline = time.monotonic() + self.stop_grace_s
+        while time.monotonic() < deadline:
+            self._proc.poll()  # reap the leader, or it stays in the group as a zombie
+            if not group_alive(pgid):
+                break
+            time.sleep(0.1)
+        else:
+            logger.warning("%s (group %d) still running %g s after SIGTERM: SIGKILL", self.name, pgid,
+                           self.stop_grace_s)
+            self._signal_group(pgid, signal.SIGKILL)
+        self._proc.wait()
+        logger.info("%s stopped (exit code %s)", self.name, self._proc.returncode)
+
+    @staticmethod
+    def _signal_group(pgid: int, sig: signal.Signals) -> None:
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            pass
+
+    def __enter__(self) -> ManagedProcess:
+        self.start()
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.stop()
+
+
+def vllm_argv(spec: ReplicaSpec, host: str = "127.0.0.1", python: str = sys.executable) -> list[str]:
+    """The command line that starts vLLM's OpenAI server for one replica."""
+    argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", spec.model,
+            "--host", host, "--port", str(spec.port)]
+    if spec.served_model_name:
+        argv += ["--served-model-name", spec.served_model_name]
+    if spec.max_num_seqs is not None:
+        argv += ["--max-num-seqs", str(spec.max_num_seqs)]
+    if spec.max_model_len is not None:
+        argv += ["--max-model-len", str(spec.max_model_len)]
+    if spec.gpu_memory_utilization is not None:
+        argv += ["--gpu-memory-utilization", str(spec.gpu_memory_utilization)]
+    if spec.kv_cache_memory_bytes is not None:
+        argv += ["--kv-cache-memory-bytes", str(spec.kv_cache_memory_bytes)]
+    return argv + list(spec.extra_args)
+
+
+def vllm_env(spec: ReplicaSpec, env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment for one replica: `env` (default: ours) plus the CPU KV cache size the spec names."""
+    result = dict(os.environ if env is None else env)
+    if spec.cpu_kvcache_space_gib is not None:
+        # vLLM reads VLLM_CPU_KVCACHE_SPACE as a whole number of GiB.
+        result["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, round(spec.cpu_kvcache_space_gib)))
+    return result
+
+
+class VllmServer(ManagedProcess):
+    """One vLLM OpenAI server for `spec`, in its own process group; a context manager.
+
+    `with VllmServer(spec, log_path, env) as s:` returns once `/health` is 200 (or raises ProcessDied /
+    StartupTimeout, having stopped what it started) and kills the whole group on exit.
+    """
+
+    def __init__(self, spec: ReplicaSpec, log_path: str | Path, env: Mapping[str, str] | None = None, *,
+                 host: str = "127.0.0.1", startup_timeout_s: float = 600.0, stop_grace_s: float = 10.0,
+                 python: str = sys.executable) -> None:
+        probe_host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+        self.spec = spec
+        self.url = f"http://{probe_host}:{spec.port}"
+        super().__init__(spec.name, vllm_argv(spec, host, python), log_path, f"{self.url}/health",
+                         vllm_env(spec, env), startup_timeout_s=startup_timeout_s, stop_grace_s=stop_grace_s)
+
+    def __enter__(self) -> VllmServer:
+        super().__enter__()
+        return self

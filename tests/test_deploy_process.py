@@ -1,0 +1,127 @@
+"""Process management: process groups, readiness that fails fast, clean stops (with the FAKE replica)."""
+
+from __future__ import annotations
+
+import socket
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from deploy.plan import Admission, ReplicaSpec
+from deploy.process import ManagedProcess, ProcessDied, StartupTimeout, group_alive, vllm_argv, vllm_env
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def port_bound(port: int) -> bool:
+    """Whether something listens on the port (a server restarting with SO_REUSEADDR could not bind)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return True
+    return False
+
+
+def fake(port: int, log: Path, **kw: float) -> ManagedProcess:
+    argv = [sys.executable, "-m", "tests.fake_replica", "--port", str(port)]
+    return ManagedProcess("fake", argv, log, f"http://127.0.0.1:{port}/health", **kw)
+
+
+def test_context_manager_waits_for_health_and_frees_the_port(tmp_path: Path) -> None:
+    """Entering returns once /health is 200; leaving kills the group and frees the port."""
+    port = free_port()
+    with fake(port, tmp_path / "fake.log", startup_timeout_s=30) as proc:
+        assert proc.healthy()
+        pgid = proc.pid
+        assert pgid is not None
+    assert not group_alive(pgid)
+    assert not port_bound(port)
+
+
+def test_stop_kills_children_in_the_group(tmp_path: Path) -> None:
+    """A child the process spawned (like vLLM's engine core) dies with it."""
+    script = "import subprocess,sys,time; subprocess.Popen([sys.executable,'-c','import time; time.sleep(60)']); time.sleep(60)"
+    proc = ManagedProcess("parent", [sys.executable, "-c", script], tmp_path / "p.log", "http://127.0.0.1:1/health")
+    proc.start()
+    time.sleep(0.5)
+    assert proc.pid is not None and group_alive(proc.pid)
+    proc.stop()
+    assert not group_alive(proc.pid)
+
+
+def test_sigkill_after_grace_when_sigterm_is_ignored(tmp_path: Path) -> None:
+    """A process that ignores SIGTERM is killed after the grace period."""
+    script = "import signal,time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('READY'+'!', flush=True); time.sleep(60)"
+    proc = ManagedProcess("stubborn", [sys.executable, "-c", script], tmp_path / "s.log", "http://127.0.0.1:1/health",
+                          stop_grace_s=0.5)
+    proc.start()
+    deadline = time.monotonic() + 10
+    while b"READY!" not in (tmp_path / "s.log").read_bytes() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    started = time.monotonic()
+    proc.stop()
+    assert proc.pid is not None and not group_alive(proc.pid)
+    assert time.monotonic() - started < 5
+    assert proc.poll() == -9
+
+
+def test_wait_ready_fails_fast_when_the_process_dies(tmp_path: Path) -> None:
+    """A process that exits while we wait raises ProcessDied at once, with its log tail."""
+    proc = ManagedProcess("doomed", [sys.executable, "-c", "print('boom'); raise SystemExit(3)"],
+                          tmp_path / "d.log", "http://127.0.0.1:1/health", startup_timeout_s=60)
+    started = time.monotonic()
+    with pytest.raises(ProcessDied, match="code 3") as info:
+        with proc:
+            pass
+    assert "boom" in str(info.value)
+    assert time.monotonic() - started < 10
+
+
+def test_wait_ready_times_out(tmp_path: Path) -> None:
+    """A process that never gets healthy raises StartupTimeout and is stopped."""
+    proc = ManagedProcess("mute", [sys.executable, "-c", "import time; time.sleep(60)"], tmp_path / "m.log",
+                          f"http://127.0.0.1:{free_port()}/health", startup_timeout_s=1.0)
+    with pytest.raises(StartupTimeout, match="within 1 s"):
+        with proc:
+            pass
+    assert proc.pid is not None and not group_alive(proc.pid)
+
+
+def test_vllm_argv_gpu_replica() -> None:
+    """A GPU replica gets its model, port, memory fraction, batch cap, context length and extra args."""
+    spec = ReplicaSpec(name="r0", model="facebook/opt-125m", port=8001, max_num_seqs=128, max_model_len=2048,
+                       gpu_memory_utilization=0.3, extra_args=("--enforce-eager",), admission=Admission(128))
+    argv = vllm_argv(spec, python="py")
+    assert argv[:3] == ["py", "-m", "vllm.entrypoints.openai.api_server"]
+    joined = " ".join(argv)
+    for part in ("--model facebook/opt-125m", "--port 8001", "--max-num-seqs 128", "--max-model-len 2048",
+                 "--gpu-memory-utilization 0.3", "--host 127.0.0.1"):
+        assert part in joined
+    assert argv[-1] == "--enforce-eager"
+    assert "--kv-cache-memory-bytes" not in argv
+
+
+def test_vllm_argv_kv_bytes_and_served_name() -> None:
+    """`kv_cache_memory_bytes` and `served_model_name` become their vLLM flags."""
+    spec = ReplicaSpec(name="r1", model="/m/tiny", port=8002, kv_cache_memory_bytes=2_000_000_000,
+                       served_model_name="tiny-opt")
+    joined = " ".join(vllm_argv(spec))
+    assert "--kv-cache-memory-bytes 2000000000" in joined and "--served-model-name tiny-opt" in joined
+    assert "--gpu-memory-utilization" not in joined
+
+
+def test_vllm_env_sets_cpu_kv_cache_in_whole_gib() -> None:
+    """The CPU KV cache size goes to VLLM_CPU_KVCACHE_SPACE as whole GiB, at least 1."""
+    spec = ReplicaSpec(name="r0", model="m", port=8001, cpu_kvcache_space_gib=0.4)
+    assert vllm_env(spec, {"A": "1"}) == {"A": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    spec2 = ReplicaSpec(name="r0", model="m", port=8001, cpu_kvcache_space_gib=2.6)
+    assert vllm_env(spec2, {})["VLLM_CPU_KVCACHE_SPACE"] == "3"
+    assert "VLLM_CPU_KVCACHE_SPACE" not in vllm_env(ReplicaSpec(name="r0", model="m", port=8001), {})
