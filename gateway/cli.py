@@ -1,0 +1,77 @@
+"""`gateway serve`: flags and/or a YAML file → a frozen config → the app on uvloop."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from aiohttp import web
+
+from .config import POLICY_NAMES, ConfigError, GatewayConfig, ReplicaConfig, from_mapping, load_yaml
+
+logger = logging.getLogger(__name__)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="gateway", description="OpenAI-compatible, replica-aware gateway for vLLM")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="run the gateway")
+    serve.add_argument("--replica", action="append", metavar="URL", help="a replica's base URL (repeat for more)")
+    serve.add_argument("--config", metavar="FILE", help="YAML config file (flags override it)")
+    serve.add_argument("--host", help="address to listen on (default 0.0.0.0)")
+    serve.add_argument("--port", type=int, help="port to listen on (default 8000)")
+    serve.add_argument("--policy", choices=POLICY_NAMES, help="routing policy (default least_outstanding_tokens)")
+    serve.add_argument("--default-max-tokens", type=int, help="output budget for requests that name none")
+    serve.add_argument("--queue-size", type=int, help="admission queue bound (0: no queue)")
+    serve.add_argument("--api-key", action="append", metavar="KEY", help="accept this client key (repeatable)")
+    serve.add_argument("--upstream-api-key", metavar="KEY", help="send this key to the replicas")
+    serve.add_argument("--log-level", choices=("debug", "info", "warning", "error"))
+    return parser
+
+
+def build_config(args: argparse.Namespace) -> GatewayConfig:
+    """The config file's values, with the flags given on the command line on top."""
+    data: dict[str, Any] = load_yaml(args.config) if args.config else {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {args.config!r} must hold a mapping")
+    if args.replica:
+        data["replicas"] = list(data.get("replicas") or []) + list(args.replica)
+    for flag, key in (("host", "host"), ("port", "port"), ("policy", "policy"),
+                      ("default_max_tokens", "default_max_tokens"), ("upstream_api_key", "upstream_api_key"),
+                      ("log_level", "log_level")):
+        if getattr(args, flag) is not None:
+            data[key] = getattr(args, flag)
+    if args.api_key:
+        data["api_keys"] = list(args.api_key)
+    if args.queue_size is not None:
+        data["queue"] = {**(data.get("queue") or {}), "max_size": args.queue_size}
+    return from_mapping(data)
+
+
+def serve(config: GatewayConfig) -> None:
+    import uvloop
+
+    from .app import make_app
+
+    logger.info("gateway on %s:%d, policy %s, replicas %s", config.host, config.port, config.policy,
+                ", ".join(r.url for r in config.replicas) or "(from DNS)")
+    web.run_app(make_app(config), host=config.host, port=config.port, access_log=None,
+                handler_cancellation=True, loop=uvloop.new_event_loop(), print=None)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = _parser().parse_args(argv)
+    try:
+        config = build_config(args)
+    except ConfigError as exc:
+        print(f"gateway: bad configuration: {exc}", file=sys.stderr)
+        sys.exit(2)
+    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    serve(config)
+
+
+if __name__ == "__main__":
+    main()

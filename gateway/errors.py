@@ -1,0 +1,52 @@
+"""OpenAI-style errors, mapped once at the boundary.
+
+    GatewayError                    a request the gateway answers with an OpenAI-style error body
+     ├── status 400/401/404/405/413 the client's mistake (bad JSON, wrong type, unknown model, ...)
+     ├── status 429                 every replica is at its cap and the queue is full or waited too long
+     └── status 502/503/504         no replica could serve it (none healthy, all failed, timed out)
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from aiohttp import web
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+}
+
+
+class GatewayError(Exception):
+    """An error the client sees as `{"error": {"message", "type", "param", "code"}}` with `status`."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        kind = _TYPES.get(self.status, "server_error" if self.status >= 500 else "invalid_request_error")
+        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+
+    def response(self) -> web.Response:
+        return web.json_response(self.body(), status=self.status, headers=self.headers)
+
+    def sse_event(self) -> bytes:
+        """The error as a final SSE event, for a stream that has already started."""
+        return b"data: " + json.dumps(self.body()).encode() + b"\n\n"
+
+
+def bad_request(message: str, param: str | None = None) -> GatewayError:
+    return GatewayError(400, message, param=param, code="invalid_value" if param else None)

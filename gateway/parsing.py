@@ -1,0 +1,134 @@
+"""Parse a request body once into a frozen `RequestInfo`; refuse bad input with a 400 naming the field."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import GatewayError, bad_request
+from .tokens import CHAT_TOKENS_PER_MESSAGE, TokenCounter
+
+GENERATE = "generate"
+EMBED = "embed"
+OTHER = "other"
+
+
+@dataclass(frozen=True)
+class RequestInfo:
+    """What routing and accounting need to know about one request."""
+
+    model: str
+    prompt_tokens: int
+    max_tokens: int  # the whole output budget: per-choice max_tokens times n
+    stream: bool
+    kind: str = GENERATE
+
+
+def load_json(raw: bytes) -> dict[str, Any]:
+    """The body as a JSON object, or a 400."""
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise bad_request(f"the request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
+    return body
+
+
+def _int_field(body: dict[str, Any], name: str, minimum: int) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise bad_request(f"'{name}' must be an integer, got {json.dumps(value)}", name)
+    if value < minimum:
+        raise bad_request(f"'{name}' must be at least {minimum}, got {value}", name)
+    return value
+
+
+def _model(body: dict[str, Any]) -> str:
+    model = body.get("model")
+    if model is None:
+        raise bad_request("you must provide a model parameter", "model")
+    if not isinstance(model, str) or not model:
+        raise bad_request("'model' must be a non-empty string", "model")
+    return model
+
+
+def _stream(body: dict[str, Any]) -> bool:
+    stream = body.get("stream", False)
+    if stream is None:
+        return False
+    if not isinstance(stream, bool):
+        raise bad_request(f"'stream' must be a boolean, got {json.dumps(stream)}", "stream")
+    return stream
+
+
+def _text_tokens(prompt: Any, model: str, counter: TokenCounter, param: str) -> int:
+    """Tokens in a prompt given as a string, a list of strings, token ids, or lists of token ids."""
+    if isinstance(prompt, str):
+        return counter.count(model, prompt)
+    if isinstance(prompt, list):
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return len(prompt)
+        return sum(_text_tokens(p, model, counter, param) for p in prompt)
+    raise bad_request(f"'{param}' must be a string, a list of strings or a list of token ids", param)
+
+
+def _chat_tokens(messages: Any, model: str, counter: TokenCounter) -> int:
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("'messages' must be a non-empty list", "messages")
+    total = 0
+    for message in messages:
+        if not isinstance(message, dict):
+            raise bad_request("each message must be an object with 'role' and 'content'", "messages")
+        content = message.get("content")
+        if isinstance(content, str):
+            total += counter.count(model, content)
+        elif isinstance(content, list):  # content parts: count the text ones
+            total += sum(counter.count(model, p["text"]) for p in content
+                         if isinstance(p, dict) and isinstance(p.get("text"), str))
+        total += CHAT_TOKENS_PER_MESSAGE
+    return total
+
+
+def parse(raw: bytes, endpoint: str, counter: TokenCounter, default_max_tokens: int) -> RequestInfo:
+    """Parse a /v1/completions, /v1/chat/completions or /v1/embeddings body."""
+    body = load_json(raw)
+    model = _model(body)
+    if endpoint == "embeddings":
+        if "input" not in body:
+            raise bad_request("you must provide an input parameter", "input")
+        return RequestInfo(model, _text_tokens(body["input"], model, counter, "input"), 0, False, EMBED)
+    stream = _stream(body)
+    n = _int_field(body, "n", 1) or 1
+    if endpoint == "chat":
+        prompt_tokens = _chat_tokens(body.get("messages"), model, counter)
+        per_choice = _int_field(body, "max_completion_tokens", 0)
+        if per_choice is None:
+            per_choice = _int_field(body, "max_tokens", 0)
+    else:
+        if "prompt" not in body:
+            raise bad_request("you must provide a prompt parameter", "prompt")
+        prompt_tokens = _text_tokens(body["prompt"], model, counter, "prompt")
+        per_choice = _int_field(body, "max_tokens", 0)
+    budget = default_max_tokens if per_choice is None else per_choice
+    return RequestInfo(model, prompt_tokens, budget * n, stream)
+
+
+def other_info(raw: bytes) -> RequestInfo:
+    """A request to another /v1 path: routed by its `model` when its body names one, and costing nothing."""
+    model = ""
+    if raw:
+        try:
+            body = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            body = None
+        if isinstance(body, dict) and isinstance(body.get("model"), str):
+            model = body["model"]
+    return RequestInfo(model, 0, 0, False, OTHER)
+
+
+def not_found(model: str) -> GatewayError:
+    return GatewayError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")

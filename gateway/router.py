@@ -1,0 +1,139 @@
+"""Choose a replica and reserve its tokens in one synchronous step; queue when every candidate is at its cap.
+
+`acquire` filters to healthy replicas that serve the model and have room, asks the policy, and takes a lease,
+with no `await` in between: on one event loop that is atomic, so no lock is needed. When every candidate is at
+its cap, the request waits in one bounded FIFO queue and goes to whichever replica frees first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from .config import QueueConfig, ReplicaConfig
+from .errors import GatewayError
+from .parsing import RequestInfo, not_found
+from .policies import Policy
+from .replicas import Lease, Replica
+
+
+@dataclass
+class _Waiter:
+    info: RequestInfo
+    exclude: frozenset[str]
+    future: asyncio.Future[Lease]
+
+
+class Router:
+    """The replica pool, the routing policy, and the admission queue."""
+
+    def __init__(self, policy: Policy, queue: QueueConfig, replicas: Iterable[ReplicaConfig] = ()) -> None:
+        self.policy = policy
+        self.queue = queue
+        self.replicas: dict[str, Replica] = {}
+        self._waiters: deque[_Waiter] = deque()
+        for config in replicas:
+            self.add(config)
+
+    # -- the pool -------------------------------------------------------------------------------------------
+    def add(self, config: ReplicaConfig) -> Replica:
+        replica = self.replicas.get(config.url)
+        if replica is None:
+            replica = self.replicas[config.url] = Replica(config)
+        return replica
+
+    def remove(self, url: str) -> None:
+        """Forget a replica; requests already on it finish and release into the detached object."""
+        self.replicas.pop(url, None)
+
+    def healthy(self) -> list[Replica]:
+        return [r for r in self.replicas.values() if r.healthy]
+
+    def models(self) -> set[str]:
+        return {m for r in self.replicas.values() if r.healthy for m in r.models}
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._waiters)
+
+    # -- choosing -------------------------------------------------------------------------------------------
+    def _candidates(self, info: RequestInfo, exclude: frozenset[str]) -> list[Replica]:
+        return [r for r in self.replicas.values() if r.healthy and r.serves(info.model) and r.url not in exclude]
+
+    def _no_candidate(self, info: RequestInfo, exclude: frozenset[str]) -> GatewayError:
+        known = any(info.model in r.models for r in self.replicas.values())
+        if info.model and not known and any(r.healthy for r in self.replicas.values()):
+            return not_found(info.model)
+        what = f" for model `{info.model}`" if info.model else ""
+        reason = "every replica failed" if exclude else "no healthy replica"
+        return GatewayError(503, f"{reason}{what}; try again shortly", code="no_replica_available",
+                            headers={"Retry-After": "1"})
+
+    def try_acquire(self, info: RequestInfo, exclude: frozenset[str] = frozenset()) -> Lease | None:
+        """A lease on a replica with room now, or None when every candidate is at its cap."""
+        candidates = self._candidates(info, exclude)
+        if not candidates:
+            raise self._no_candidate(info, exclude)
+        cost = info.prompt_tokens + info.max_tokens
+        open_ = [r for r in candidates if r.has_room(cost)]
+        if not open_:
+            return None
+        return Lease(self.policy.pick(open_, info), info, self.wake)
+
+    async def acquire(self, info: RequestInfo, exclude: frozenset[str] = frozenset()) -> Lease:
+        """A lease, waiting in the admission queue if need be; 429 when the queue is full or waited too long."""
+        if not self._waiters:  # FIFO: nobody jumps the queue
+            lease = self.try_acquire(info, exclude)
+            if lease is not None:
+                return lease
+        elif not self._candidates(info, exclude):
+            raise self._no_candidate(info, exclude)
+        if len(self._waiters) >= self.queue.max_size:
+            reason = "every replica is at its cap" + (" and the queue is full" if self.queue.max_size else "")
+            raise GatewayError(429, f"{reason}; retry later", code="rate_limit_exceeded",
+                               headers={"Retry-After": "1"})
+        waiter = _Waiter(info, exclude, asyncio.get_running_loop().create_future())
+        self._waiters.append(waiter)
+        self.wake()  # a replica may have room for it already (the queue's head waits for another model)
+        try:
+            await asyncio.wait((waiter.future,), timeout=self.queue.max_wait_s)
+        except asyncio.CancelledError:
+            self._abandon(waiter)
+            raise
+        if waiter.future.done():
+            return waiter.future.result()  # a lease, or the GatewayError _wake set
+        self._abandon(waiter)
+        raise GatewayError(429, f"waited {self.queue.max_wait_s:g} s in the admission queue; retry later",
+                           code="rate_limit_exceeded", headers={"Retry-After": str(math.ceil(self.queue.max_wait_s))})
+
+    def _abandon(self, waiter: _Waiter) -> None:
+        """The waiter gave up: leave the queue, or give back a lease that reached it meanwhile."""
+        if not waiter.future.done():
+            waiter.future.cancel()
+            self._waiters.remove(waiter)
+        elif waiter.future.exception() is None:
+            waiter.future.result().release()
+
+    def wake(self) -> None:
+        """Serve queued requests, in order, that a replica now has room for."""
+        if not self._waiters:
+            return
+        served = []
+        for waiter in self._waiters:
+            if waiter.future.done():
+                served.append(waiter)
+                continue
+            try:
+                lease = self.try_acquire(waiter.info, waiter.exclude)
+            except GatewayError as exc:
+                waiter.future.set_exception(exc)
+                served.append(waiter)
+                continue
+            if lease is not None:
+                waiter.future.set_result(lease)
+                served.append(waiter)
+        for waiter in served:
+            self._waiters.remove(waiter)
