@@ -1,0 +1,71 @@
+"""Shared fixtures: in-process FAKE vLLM replicas and a gateway in front of them."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+from gateway.app import GATEWAY, Gateway, make_app
+from gateway.config import from_mapping
+from tests.fake_replica import BEHAVIOR, STATS, FakeBehavior, FakeStats, make_app as make_fake
+
+
+@dataclass
+class Fake:
+    """A running fake replica: its URL and the knobs and counters of its app."""
+
+    server: TestServer
+    behavior: FakeBehavior
+    stats: FakeStats
+
+    @property
+    def url(self) -> str:
+        return str(self.server.make_url("")).rstrip("/")
+
+
+@dataclass
+class GatewayUnderTest:
+    server: TestServer
+    gateway: Gateway
+
+    @property
+    def url(self) -> str:
+        return str(self.server.make_url("")).rstrip("/")
+
+    @property
+    def base_url(self) -> str:
+        return self.url + "/v1"
+
+
+FakeFactory = Callable[..., Awaitable[Fake]]
+GatewayFactory = Callable[..., Awaitable[GatewayUnderTest]]
+
+
+@pytest.fixture
+def fake_replica(aiohttp_server: Any) -> FakeFactory:
+    """Start a fake replica: `await fake_replica(ttft_s=..., itl_s=..., fail=...)`."""
+    async def start(**knobs: Any) -> Fake:
+        app = make_fake(FakeBehavior(**knobs))
+        server = await aiohttp_server(app)
+        return Fake(server, app[BEHAVIOR], app[STATS])
+    return start
+
+
+@pytest.fixture
+def gateway_for(aiohttp_server: Any) -> GatewayFactory:
+    """Start a gateway in front of the given replica URLs (or replica mappings), probed once before it returns."""
+    async def start(replicas: list[Any], **settings: Any) -> GatewayUnderTest:
+        settings.setdefault("health", {"interval_s": 60, "timeout_s": 1})
+        config = from_mapping({"replicas": replicas, "port": 0, **settings})
+        app: web.Application = make_app(config)
+        server = await aiohttp_server(app)
+        gateway = app[GATEWAY]
+        assert gateway.health is not None
+        await gateway.health.probe_all()
+        return GatewayUnderTest(server, gateway)
+    return start

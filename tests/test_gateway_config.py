@@ -1,0 +1,66 @@
+"""Configuration: YAML and flags, every bad value refused at start with a message naming it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gateway.cli import _parser, build_config
+from gateway.config import ConfigError, from_mapping
+
+
+def test_yaml_with_every_section(tmp_path: Path) -> None:
+    """A full YAML config is read into frozen values."""
+    path = tmp_path / "gw.yaml"
+    path.write_text("""
+port: 9000
+policy: power_of_two
+replicas:
+  - http://a:8001/
+  - {url: http://b:8002, weight: 2, max_requests: 64, max_outstanding_tokens: 50000}
+discovery: [{name: vllm.svc, port: 8000, interval_s: 5}]
+timeouts: {connect_s: 1, first_byte_s: 20, idle_s: 5}
+queue: {max_size: 100, max_wait_s: 3}
+tokenizers: {m: /tmp/tok}
+api_keys: [k1]
+""")
+    config = build_config(_parser().parse_args(["serve", "--config", str(path), "--port", "9100"]))
+    assert config.port == 9100  # the flag wins
+    assert [r.url for r in config.replicas] == ["http://a:8001", "http://b:8002"]
+    assert config.replicas[1].max_requests == 64 and config.replicas[1].weight == 2
+    assert config.discovery[0].name == "vllm.svc" and config.queue.max_size == 100
+    assert config.tokenizer_map() == {"m": "/tmp/tok"} and config.api_keys == ("k1",)
+
+
+@pytest.mark.parametrize(("data", "named"), [
+    ({"replicas": ["ftp://x"]}, "ftp://x"),
+    ({"replicas": ["http://a:1"], "policy": "fastest"}, "fastest"),
+    ({"replicas": ["http://a:1"], "timeouts": {"idle_s": 0}}, "timeouts.idle_s"),
+    ({"replicas": ["http://a:1"], "timeouts": {"idle": 3}}, "idle"),
+    ({"replicas": ["http://a:1"], "queue": {"max_size": -1}}, "queue.max_size"),
+    ({"replicas": ["http://a:1"], "retry": {"max_attempts": 0}}, "retry.max_attempts"),
+    ({"replicas": [{"url": "http://a:1", "weight": -2}]}, "weight"),
+    ({"replicas": [{"url": "http://a:1", "max_requests": 1.5}]}, "max_requests"),
+    ({"replicas": ["http://a:1", "http://a:1/"]}, "twice"),
+    ({"replicas": ["http://a:1"], "bogus": 1}, "bogus"),
+    ({"replicas": ["http://a:1"], "port": 70000}, "port"),
+    ({"discovery": [{"name": "x", "port": 0}]}, "port"),
+    ({}, "no replicas"),
+])
+def test_bad_values_are_named(data: dict[str, object], named: str) -> None:
+    """Each bad value is refused with a message naming it."""
+    with pytest.raises(ConfigError, match=named):
+        from_mapping(data)
+
+
+def test_cli_refuses_bad_config_without_a_traceback(tmp_path: Path) -> None:
+    """`gateway serve` with a bad value exits 2 and says what is wrong, in one line."""
+    path = tmp_path / "gw.yaml"
+    path.write_text("replicas: [http://a:1]\nhealth: {interval_s: -1}\n")
+    result = subprocess.run([sys.executable, "-m", "gateway.cli", "serve", "--config", str(path)],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert "health.interval_s" in result.stderr and "Traceback" not in result.stderr

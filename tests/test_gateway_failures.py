@@ -1,0 +1,154 @@
+"""Replicas that refuse, fail, stall or die: the gateway retries while it is safe and never strands a client."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import aiohttp
+import openai
+import pytest
+
+from tests.conftest import FakeFactory, GatewayFactory
+
+BODY = {"model": "fake-model", "prompt": "hello", "max_tokens": 4}
+
+
+def closed_port_url() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return f"http://127.0.0.1:{port}"
+
+
+async def test_503_is_retried_on_another_replica(fake_replica: FakeFactory, gateway_for: GatewayFactory) -> None:
+    """A replica answering 503 before any byte is skipped: every request succeeds on the other one."""
+    bad = await fake_replica(fail="refuse")
+    good = await fake_replica()
+    gw = await gateway_for([bad.url, good.url], policy="round_robin")
+    bad.behavior.fail = "refuse"
+    for replica in gw.gateway.router.replicas.values():
+        replica.healthy = True
+        replica.models = frozenset({"fake-model"})
+    async with openai.AsyncOpenAI(base_url=gw.base_url, api_key="none", max_retries=0) as client:
+        for _ in range(6):
+            await client.completions.create(**BODY)
+    assert len(good.stats.bodies) == 6
+    assert len(bad.stats.bodies) == 1  # tried once, then ejected until a probe takes it back
+
+
+async def test_refused_connection_is_retried(fake_replica: FakeFactory, gateway_for: GatewayFactory) -> None:
+    """A replica whose port refuses connections costs a retry, not a failed request."""
+    good = await fake_replica()
+    dead = closed_port_url()
+    gw = await gateway_for([dead, good.url], policy="round_robin")
+    gw.gateway.router.replicas[dead].healthy = True  # as if it had just died after a good probe
+    gw.gateway.router.replicas[dead].models = frozenset({"fake-model"})
+    async with openai.AsyncOpenAI(base_url=gw.base_url, api_key="none", max_retries=0) as client:
+        for _ in range(4):
+            await client.completions.create(**BODY)
+    assert len(good.stats.bodies) == 4
+    assert not gw.gateway.router.replicas[dead].healthy
+    async with aiohttp.ClientSession() as session:
+        metrics = await (await session.get(gw.url + "/metrics")).text()
+    assert 'gateway_retries_total{reason="connection"} 1.0' in metrics
+
+
+async def test_retries_are_bounded(fake_replica: FakeFactory, gateway_for: GatewayFactory) -> None:
+    """When every replica refuses, the client gets one 502 after a bounded number of attempts."""
+    fakes = [await fake_replica() for _ in range(4)]
+    gw = await gateway_for([f.url for f in fakes], retry={"max_attempts": 2, "max_time_s": 5})
+    for f in fakes:
+        f.behavior.fail = "refuse"
+    async with aiohttp.ClientSession() as session:
+        async with session.post(gw.base_url + "/completions", json=BODY) as resp:
+            assert resp.status == 502
+            body = await resp.json()
+    assert "after 2 attempt(s)" in body["error"]["message"]
+    assert sum(len(f.stats.bodies) for f in fakes) == 2
+
+
+async def test_500_is_passed_through_and_ejects(fake_replica: FakeFactory, gateway_for: GatewayFactory) -> None:
+    """A 500 is not retried (the replica may have done the work) but takes the replica out of rotation."""
+    bad = await fake_replica()
+    gw = await gateway_for([bad.url])
+    bad.behavior.fail = "error"
+    async with aiohttp.ClientSession() as session:
+        async with session.post(gw.base_url + "/completions", json=BODY) as resp:
+            assert resp.status == 500
+    assert not gw.gateway.router.replicas[bad.url].healthy
+
+
+async def test_stalled_replica_times_out_and_is_retried(fake_replica: FakeFactory,
+                                                        gateway_for: GatewayFactory) -> None:
+    """A replica that accepts and never answers hits the first-byte timeout; the request moves on."""
+    stalled = await fake_replica()
+    good = await fake_replica()
+    gw = await gateway_for([stalled.url, good.url], policy="round_robin",
+                           timeouts={"connect_s": 1, "first_byte_s": 0.3, "idle_s": 1})
+    stalled.behavior.fail = "stall"
+    async with openai.AsyncOpenAI(base_url=gw.base_url, api_key="none", max_retries=0) as client:
+        for _ in range(3):
+            await client.completions.create(**BODY)
+    assert len(good.stats.bodies) == 3
+    assert not gw.gateway.router.replicas[stalled.url].healthy
+
+
+async def test_death_mid_stream_ends_with_an_sse_error(fake_replica: FakeFactory,
+                                                       gateway_for: GatewayFactory) -> None:
+    """Once tokens reached the client, a dying replica yields a final SSE error event and a clean end."""
+    fake = await fake_replica(itl_s=0.001)
+    gw = await gateway_for([fake.url])
+    fake.behavior.fail, fake.behavior.die_after = "die_midstream", 2
+    async with aiohttp.ClientSession() as session:
+        async with session.post(gw.base_url + "/completions", json={**BODY, "stream": True}) as resp:
+            assert resp.status == 200
+            text = await resp.text()  # a clean end: no payload error here
+    events = [e for e in text.split("\n\n") if e]
+    assert len(events) == 3
+    assert '"error"' in events[-1] and "upstream_stream_error" in events[-1]
+    async with openai.AsyncOpenAI(base_url=gw.base_url, api_key="none", max_retries=0) as client:
+        gw.gateway.router.replicas[fake.url].healthy = True
+        stream = await client.completions.create(**BODY, stream=True)
+        with pytest.raises(openai.APIError):
+            async for _ in stream:
+                pass
+    replica = gw.gateway.router.replicas[fake.url]
+    assert replica.outstanding == 0 and replica.inflight == 0
+
+
+async def test_client_disconnect_aborts_upstream_and_releases_tokens(fake_replica: FakeFactory,
+                                                                     gateway_for: GatewayFactory) -> None:
+    """A client that goes away mid-stream closes the upstream request at once and frees its tokens."""
+    fake = await fake_replica(itl_s=0.05)
+    gw = await gateway_for([fake.url])
+    replica = gw.gateway.router.replicas[fake.url]
+    async with aiohttp.ClientSession() as session:
+        resp = await session.post(gw.base_url + "/completions", json={**BODY, "max_tokens": 1000, "stream": True})
+        await resp.content.readany()
+        assert fake.stats.running == 1 and replica.outstanding > 0
+        resp.close()  # the client hangs up
+    for _ in range(100):
+        if fake.stats.running == 0 and replica.inflight == 0:
+            break
+        await asyncio.sleep(0.01)
+    assert fake.stats.running == 0 and fake.stats.aborted == 1
+    assert replica.outstanding == 0 and replica.inflight == 0
+
+
+async def test_ejected_replica_comes_back_after_a_good_probe(fake_replica: FakeFactory,
+                                                             gateway_for: GatewayFactory) -> None:
+    """Passive ejection lasts until the next successful probe."""
+    fake = await fake_replica()
+    gw = await gateway_for([fake.url], health={"interval_s": 0.05, "timeout_s": 1})
+    fake.behavior.fail = "error"
+    async with aiohttp.ClientSession() as session:
+        await session.post(gw.base_url + "/completions", json=BODY)
+        assert not gw.gateway.router.replicas[fake.url].healthy
+        fake.behavior.fail = None
+        for _ in range(100):
+            if gw.gateway.router.replicas[fake.url].healthy:
+                break
+            await asyncio.sleep(0.02)
+        async with session.post(gw.base_url + "/completions", json=BODY) as resp:
+            assert resp.status == 200
