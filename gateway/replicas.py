@@ -79,8 +79,10 @@ class Lease:
         if self._done:
             return
         done = min(count, self._output)
-        self._output -= done
-        self.replica.outstanding -= done
+        if done:
+            self._output -= done
+            self.replica.outstanding -= done
+            self._on_release()  # a token-capped replica may have room for a queued request now
 
     def release(self) -> None:
         """The request is over, however it ended. Safe to call more than once."""

@@ -9,8 +9,11 @@ chunk per token, paced by `ttft_s` and `itl_s`. Failures are injected through `F
 - "error": answer 500.
 - "stall": accept the request and never answer.
 - "die_midstream": send `die_after` chunks, then drop the connection.
+- "stall_midstream": send `die_after` chunks, then go silent with the connection open.
 
-Run standalone (for Locust and benchmarks): `python -m tests.fake_replica --port 9001 --itl 0.01`.
+Run standalone (for Locust and benchmarks): `python -m tests.fake_replica --port 9001 --itl 0.01`
+(`--fail MODE` injects a failure). `GET /fake/stats` returns what it saw (arrival times on the
+machine's monotonic clock, max concurrency), so a test in another process can check the offered load.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ class FakeBehavior:
     ttft_s: float = 0.0
     itl_s: float = 0.0
     default_tokens: int = 16
-    fail: str | None = None  # None, "refuse", "error", "stall", "die_midstream"
+    fail: str | None = None  # None, "refuse", "error", "stall", "die_midstream", "stall_midstream"
     die_after: int = 2
     healthy: bool = True
 
@@ -128,6 +131,8 @@ async def _stream(request: web.Request, body: dict, kind: str, n_tokens: int, n_
     for i in range(n_tokens):
         if i and behavior.itl_s:
             await asyncio.sleep(behavior.itl_s)
+        if behavior.fail == "stall_midstream" and i >= behavior.die_after:
+            await asyncio.sleep(3600)
         if behavior.fail == "die_midstream" and i >= behavior.die_after:
             assert request.transport is not None
             request.transport.close()
@@ -185,6 +190,12 @@ async def health(request: web.Request) -> web.Response:
     return web.Response(status=200 if behavior.healthy and behavior.fail != "error" else 503)
 
 
+async def fake_stats(request: web.Request) -> web.Response:
+    stats = request.app[STATS]
+    return web.json_response({"arrivals": stats.arrivals, "running": stats.running, "max_running": stats.max_running,
+                              "finished": stats.finished, "aborted": stats.aborted})
+
+
 async def metrics(request: web.Request) -> web.Response:
     stats, name = request.app[STATS], request.app[BEHAVIOR].model
     label = f'{{model_name="{name}"}}'
@@ -208,6 +219,7 @@ def make_app(behavior: FakeBehavior | None = None) -> web.Application:
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
+    app.router.add_get("/fake/stats", fake_stats)
     return app
 
 
@@ -219,8 +231,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--ttft", type=float, default=0.0, help="seconds before the first token")
     parser.add_argument("--itl", type=float, default=0.0, help="seconds between tokens")
     parser.add_argument("--tokens", type=int, default=16, help="tokens when the request names no max_tokens")
+    parser.add_argument("--fail", choices=["refuse", "error", "stall", "die_midstream"], default=None,
+                        help="inject this failure into every generation request")
+    parser.add_argument("--die-after", type=int, default=2, help="die_midstream: chunks sent before dying")
     args = parser.parse_args(argv)
-    behavior = FakeBehavior(model=args.model, ttft_s=args.ttft, itl_s=args.itl, default_tokens=args.tokens)
+    behavior = FakeBehavior(model=args.model, ttft_s=args.ttft, itl_s=args.itl, default_tokens=args.tokens,
+                            fail=args.fail, die_after=args.die_after)
     try:
         import uvloop
         uvloop.install()

@@ -117,6 +117,21 @@ async def test_death_mid_stream_ends_with_an_sse_error(fake_replica: FakeFactory
     assert replica.outstanding == 0 and replica.inflight == 0
 
 
+async def test_stall_mid_stream_hits_the_idle_timeout(fake_replica: FakeFactory,
+                                                      gateway_for: GatewayFactory) -> None:
+    """A replica that goes silent mid-stream is cut off after the idle timeout, with an SSE error to the client."""
+    fake = await fake_replica()
+    gw = await gateway_for([fake.url], timeouts={"connect_s": 1, "first_byte_s": 5, "idle_s": 0.2})
+    fake.behavior.fail, fake.behavior.die_after = "stall_midstream", 3
+    async with aiohttp.ClientSession() as session:
+        async with session.post(gw.base_url + "/completions", json={**BODY, "stream": True}) as resp:
+            text = await asyncio.wait_for(resp.text(), timeout=5)
+    events = [e for e in text.split("\n\n") if e]
+    assert len(events) == 4 and "stalled for 0.2 s" in events[-1]
+    replica = gw.gateway.router.replicas[fake.url]
+    assert not replica.healthy and replica.outstanding == 0 and replica.inflight == 0
+
+
 async def test_client_disconnect_aborts_upstream_and_releases_tokens(fake_replica: FakeFactory,
                                                                      gateway_for: GatewayFactory) -> None:
     """A client that goes away mid-stream closes the upstream request at once and frees its tokens."""
