@@ -1,0 +1,108 @@
+"""Dispatching requests under gevent: open loop (at scheduled times) or closed loop (fixed concurrency).
+
+Open loop spawns one greenlet per request at its scheduled time and never waits for earlier requests,
+so concurrency grows when the server slows down and the offered load stays what the schedule says.
+The lag between the scheduled and the actual send time is recorded for every request.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import gevent
+from gevent.pool import Group
+
+from loadtest.records import RequestRecord
+from loadtest.workloads import RequestSpec, Workload
+
+logger = logging.getLogger(__name__)
+
+KILL_TIMEOUT_S = 10.0
+
+
+class Sender(Protocol):
+    """Sends one request and measures it (StreamingClient)."""
+
+    def start_clock(self) -> None: ...
+
+    def now(self) -> float: ...
+
+    def send(self, request: RequestSpec, scheduled_s: float | None) -> RequestRecord: ...
+
+
+@dataclass(frozen=True)
+class DispatchResult:
+    """How a dispatch went."""
+
+    scheduled: int  # requests in the schedule (open loop); the requests sent (closed loop)
+    sent: int
+    drained: bool  # every request finished before the drain timeout
+    max_in_flight: int
+
+
+class Dispatcher:
+    """Runs one open- or closed-loop load and hands each finished request's record to `on_record`."""
+
+    def __init__(self, sender: Sender, on_record: Callable[[RequestRecord], None], drain_timeout: float) -> None:
+        self._sender = sender
+        self._on_record = on_record
+        self._drain_timeout = drain_timeout
+        self._group = Group()
+        self._sent = 0
+        self._in_flight = 0
+        self._max_in_flight = 0
+
+    def open_loop(self, workload: Workload, times: Sequence[float]) -> DispatchResult:
+        """Send request i at times[i] seconds after now, whatever happened to the earlier ones."""
+        self._sender.start_clock()
+        for index, at in enumerate(times):
+            request = workload.request(index)  # built while waiting, not after the due time
+            gevent.sleep(max(at - self._sender.now(), 0.0))  # sleep(0) still lets the greenlets due run first
+            self._group.spawn(self._one, request, float(at))
+        drained = self._drain()
+        return DispatchResult(len(times), self._sent, drained, self._max_in_flight)
+
+    def closed_loop(self, workload: Workload, concurrency: int, num_requests: int | None,
+                    duration: float) -> DispatchResult:
+        """Keep `concurrency` requests in flight until `num_requests` are sent or `duration` has passed."""
+        self._sender.start_clock()
+        counter = itertools.count()
+        limit = num_requests if num_requests is not None else math.inf
+
+        def worker() -> None:
+            while (index := next(counter)) < limit and self._sender.now() < duration:
+                self._one(workload.request(index), None)
+
+        for _ in range(concurrency):
+            self._group.spawn(worker)
+        drained = self._group.join(timeout=None if math.isinf(duration) else duration + self._drain_timeout)
+        if not drained:
+            self._group.kill(block=True, timeout=KILL_TIMEOUT_S)
+        return DispatchResult(self._sent, self._sent, bool(drained), self._max_in_flight)
+
+    def stop(self) -> None:
+        """Cancel what is in flight (each cancelled request is still recorded)."""
+        self._group.kill(block=True, timeout=KILL_TIMEOUT_S)
+
+    def _drain(self) -> bool:
+        if self._group.join(timeout=self._drain_timeout):
+            return True
+        logger.warning("%d requests still in flight %.0f s after the last send; cancelling them",
+                       len(self._group), self._drain_timeout)
+        self._group.kill(block=True, timeout=KILL_TIMEOUT_S)
+        return False
+
+    def _one(self, request: RequestSpec, scheduled_s: float | None) -> None:
+        self._sent += 1
+        self._in_flight += 1
+        self._max_in_flight = max(self._max_in_flight, self._in_flight)
+        try:
+            record = self._sender.send(request, scheduled_s)
+        finally:
+            self._in_flight -= 1
+        self._on_record(record)

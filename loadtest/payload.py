@@ -1,0 +1,25 @@
+"""The OpenAI request bodies the load test sends."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from loadtest.workloads import RequestSpec
+
+
+def request_body(model: str, endpoint: str, request: RequestSpec, ignore_eos: bool) -> dict[str, Any]:
+    """A streaming completions or chat body for `request`, asking the server to report usage."""
+    body: dict[str, Any] = {
+        "model": model,
+        "max_tokens": request.max_tokens,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "temperature": 0.0,
+    }
+    if ignore_eos:
+        body["ignore_eos"] = True  # vLLM's extension: generate exactly max_tokens
+    if endpoint == "chat":
+        body["messages"] = [{"role": "user", "content": request.prompt}]
+    else:
+        body["prompt"] = request.prompt
+    return body

@@ -1,0 +1,178 @@
+"""Workloads: what each request asks for (prompt and max_tokens), seeded and random-access by index.
+
+Request i is drawn from its own generator seeded with (seed, i), so the same seed gives the same
+requests in any order, in any process, and an open-ended closed-loop run can ask for request i forever.
+
+Synthetic prompts are common English words, one per wanted input token: most BPE tokenizers (GPT-2,
+OPT, Llama) encode each as one token, so the prompt length is close to, not exactly, the wanted one.
+The server's own count (`usage.prompt_tokens`) is what the report uses when the server gives it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+
+WORKLOADS = ("fixed", "uniform", "lognormal", "sharegpt", "mix")
+
+WORDS = tuple(
+    "the of and to in is was for on that with as by at from his her it an were are which this be or had not but "
+    "first one their they its new after who also two has been other more time all when during into there would "
+    "can only most some over city three years state world about such than may later these then where school "
+    "before many made under between both life high part work well people team used since while year game "
+    "music film water house land local power money group party river order light north south east west".split()
+)
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    """One request: its prompt, the prompt's estimated tokens and the output tokens to ask for."""
+
+    index: int
+    prompt: str
+    prompt_tokens: int
+    max_tokens: int
+
+
+@dataclass(frozen=True)
+class WorkloadSpec:
+    """Which workload to draw, and its parameters."""
+
+    kind: str = "fixed"
+    input_len: int = 512
+    output_len: int = 256
+    range_ratio: float = 0.5  # uniform: lengths in [len*(1-r), len*(1+r)]
+    sigma: float = 0.5  # lognormal: log-space spread, median = len
+    dataset: str | None = None  # ShareGPT-format JSON file
+    sharegpt_output_len: int | None = None  # override the dataset's reply lengths
+    short: tuple[int, int] = (128, 32)  # mix: (input, output) of a short request
+    long: tuple[int, int] = (2048, 512)  # mix: (input, output) of a long request
+    long_fraction: float = 0.2
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kind not in WORKLOADS:
+            raise ValueError(f"workload {self.kind!r} is not one of {', '.join(WORKLOADS)}")
+        for name in ("input_len", "output_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} {getattr(self, name)!r} must be >= 1 token")
+        if not 0 <= self.range_ratio < 1:
+            raise ValueError(f"range ratio {self.range_ratio!r} must be in [0, 1)")
+        if not self.sigma >= 0:
+            raise ValueError(f"sigma {self.sigma!r} must be >= 0")
+        if not 0 <= self.long_fraction <= 1:
+            raise ValueError(f"long fraction {self.long_fraction!r} must be in [0, 1]")
+        if min(*self.short, *self.long) < 1:
+            raise ValueError(f"short {self.short!r} and long {self.long!r} lengths must be >= 1 token")
+        if self.kind == "sharegpt" and not self.dataset:
+            raise ValueError("workload 'sharegpt' needs a dataset file (--dataset PATH)")
+        if self.sharegpt_output_len is not None and self.sharegpt_output_len < 1:
+            raise ValueError(f"sharegpt output len {self.sharegpt_output_len!r} must be >= 1 token")
+
+
+class Workload(Protocol):
+    """Gives request `index` of a seeded workload."""
+
+    def request(self, index: int) -> RequestSpec: ...
+
+
+def _rng(seed: int, index: int) -> np.random.Generator:
+    return np.random.default_rng([seed, index])
+
+
+def synthetic_prompt(rng: np.random.Generator, tokens: int) -> str:
+    """A prompt of `tokens` random common words (about one token each)."""
+    return " ".join(WORDS[i] for i in rng.integers(0, len(WORDS), tokens))
+
+
+@dataclass(frozen=True)
+class Synthetic:
+    """Random-word prompts whose (input, output) lengths come from `spec.kind`'s distribution."""
+
+    spec: WorkloadSpec
+
+    def lengths(self, rng: np.random.Generator) -> tuple[int, int]:
+        s = self.spec
+        if s.kind == "uniform":
+            return (int(rng.integers(math.floor(s.input_len * (1 - s.range_ratio)),
+                                     math.floor(s.input_len * (1 + s.range_ratio)) + 1)),
+                    int(rng.integers(math.floor(s.output_len * (1 - s.range_ratio)),
+                                     math.floor(s.output_len * (1 + s.range_ratio)) + 1)))
+        if s.kind == "lognormal":
+            factors = np.exp(s.sigma * rng.standard_normal(2))
+            return max(1, round(s.input_len * factors[0])), max(1, round(s.output_len * factors[1]))
+        if s.kind == "mix":
+            return s.long if rng.random() < s.long_fraction else s.short
+        return s.input_len, s.output_len
+
+    def request(self, index: int) -> RequestSpec:
+        rng = _rng(self.spec.seed, index)
+        n_in, n_out = self.lengths(rng)
+        return RequestSpec(index, synthetic_prompt(rng, max(n_in, 1)), max(n_in, 1), max(n_out, 1))
+
+
+def estimate_tokens(text: str) -> int:
+    """A tokenizer-free estimate: about four characters per token for English text."""
+    return max(1, math.ceil(len(text) / 4))
+
+
+@dataclass(frozen=True)
+class ShareGpt:
+    """Prompts and reply lengths from a ShareGPT-format file, in a seeded order, cycling when exhausted."""
+
+    pairs: tuple[tuple[str, int], ...]  # (first human turn, estimated tokens of the reply)
+    order: tuple[int, ...]
+    output_len: int | None
+
+    @classmethod
+    def load(cls, path: str, seed: int, output_len: int | None = None) -> ShareGpt:
+        pairs = tuple(parse_sharegpt(_read_json(path)))
+        if not pairs:
+            raise ValueError(f"dataset {path!r} has no conversation that starts with a human turn and a reply")
+        order = tuple(int(i) for i in np.random.default_rng(seed).permutation(len(pairs)))
+        return cls(pairs, order, output_len)
+
+    def request(self, index: int) -> RequestSpec:
+        prompt, reply_tokens = self.pairs[self.order[index % len(self.order)]]
+        return RequestSpec(index, prompt, estimate_tokens(prompt), self.output_len or reply_tokens)
+
+
+def _read_json(path: str) -> object:
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as e:
+        raise ValueError(f"dataset {path!r} cannot be read: {e.strerror}") from e
+    except json.JSONDecodeError as e:
+        raise ValueError(f"dataset {path!r} is not JSON: {e}") from e
+
+
+def parse_sharegpt(data: object) -> list[tuple[str, int]]:
+    """(prompt, reply tokens) from ShareGPT JSON: a list of {"conversations": [{"from", "value"}, ...]}."""
+    if not isinstance(data, list):
+        raise ValueError("a ShareGPT dataset is a JSON list of {\"conversations\": [...]} objects")
+    pairs = []
+    for item in data:
+        turns = item.get("conversations") if isinstance(item, dict) else None
+        if not isinstance(turns, Sequence) or len(turns) < 2:
+            continue
+        first, second = turns[0], turns[1]
+        if not (isinstance(first, dict) and isinstance(second, dict)):
+            continue
+        if first.get("from") != "human" or not first.get("value") or not second.get("value"):
+            continue
+        pairs.append((str(first["value"]), estimate_tokens(str(second["value"]))))
+    return pairs
+
+
+def build_workload(spec: WorkloadSpec) -> Workload:
+    """The workload `spec` describes (a ShareGPT file is read here, once)."""
+    if spec.kind == "sharegpt":
+        assert spec.dataset is not None  # checked by WorkloadSpec
+        return ShareGpt.load(spec.dataset, spec.seed, spec.sharegpt_output_len)
+    return Synthetic(spec)
