@@ -22,6 +22,7 @@ import urllib.request
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
+from typing import Protocol
 
 from deploy.plan import ReplicaSpec
 
@@ -40,6 +41,38 @@ class ProcessDied(ProcessError):
 
 class StartupTimeout(ProcessError):
     """The process did not become healthy in time."""
+
+
+class Cancelled(ProcessError):
+    """The wait was cancelled (the `cancel` event was set, e.g. by a SIGTERM handler)."""
+
+
+class CancelToken(Protocol):
+    """Something a wait can be cancelled through: a `StopFlag` or a `threading.Event`."""
+
+    def is_set(self) -> bool: ...
+
+    def wait(self, timeout: float | None = None) -> bool: ...
+
+
+class StopFlag:
+    """A flag a signal handler may set: no lock, unlike `threading.Event` (whose lock a handler can deadlock on)."""
+
+    def __init__(self) -> None:
+        self._set = False
+
+    def set(self) -> None:
+        self._set = True
+
+    def is_set(self) -> bool:
+        return self._set
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Sleep until set or `timeout` seconds pass; return whether it is set."""
+        deadline = time.monotonic() + (timeout if timeout is not None else float("inf"))
+        while not self._set and time.monotonic() < deadline:
+            time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
+        return self._set
 
 
 def probe(url: str, timeout_s: float = 2.0) -> bool:
@@ -115,8 +148,12 @@ class ManagedProcess:
         """Whether the process runs and its health URL answers 200."""
         return self.running() and probe(self.health_url, timeout_s)
 
-    def wait_ready(self, timeout_s: float | None = None) -> None:
-        """Block until healthy; raise ProcessDied at once if the process exits, StartupTimeout after `timeout_s`."""
+    def wait_ready(self, timeout_s: float | None = None, cancel: CancelToken | None = None) -> None:
+        """Block until healthy; raise ProcessDied at once if the process exits, StartupTimeout after `timeout_s`.
+
+        Setting `cancel` (from a signal handler or another thread) ends the wait with Cancelled.
+        """
+        cancel = cancel or StopFlag()
         limit = self.startup_timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + limit
         while True:
@@ -130,7 +167,8 @@ class ManagedProcess:
             if time.monotonic() >= deadline:
                 raise StartupTimeout(f"{self.name} was not healthy at {self.health_url} within {limit:g} s; "
                                      f"log {self.log_path}:\n{tail(self.log_path)}")
-            time.sleep(POLL_S)
+            if cancel.wait(POLL_S):
+                raise Cancelled(f"{self.name}: startup cancelled")
 
     def stop(self) -> None:
         """Stop the whole process group: SIGTERM, then SIGKILL after the grace period. Idempotent."""

@@ -1,0 +1,160 @@
+"""Keep processes running: restart the dead ones with exponential backoff, one start at a time.
+
+The supervisor only restarts; the gateway stops sending traffic to a replica that fails its health probes
+and takes it back once healthy. Everything happens in `tick()`, called by the owner every fraction of a
+second, so tests drive it with a fake clock and fake processes.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from deploy.state import ProcessState
+
+logger = logging.getLogger(__name__)
+
+
+class Supervised(Protocol):
+    """What the supervisor needs of a process (ManagedProcess / VllmServer fit)."""
+
+    name: str
+    log_path: Path
+
+    @property
+    def pid(self) -> int | None: ...
+
+    def start(self) -> None: ...
+
+    def poll(self) -> int | None: ...
+
+    def healthy(self, timeout_s: float = 2.0) -> bool: ...
+
+    def stop(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class Backoff:
+    """Delay before restart number n after consecutive failures: initial * factor**(n-1), capped."""
+
+    initial_s: float = 1.0
+    factor: float = 2.0
+    max_s: float = 60.0
+    reset_after_s: float = 60.0  # healthy this long: the failure count starts over
+
+    def __post_init__(self) -> None:
+        if self.initial_s < 0 or self.factor < 1 or self.max_s < self.initial_s or self.reset_after_s <= 0:
+            raise ValueError(f"bad backoff {self!r}")
+
+    def delay(self, failures: int) -> float:
+        return float(min(self.max_s, self.initial_s * self.factor ** max(0, failures - 1)))
+
+
+class Slot:
+    """The supervisor's book on one process: what it is doing and how often it failed."""
+
+    def __init__(self, proc: Supervised, url: str, status: str = "running", now: float = 0.0) -> None:
+        self.proc = proc
+        self.url = url
+        self.status = status  # running | starting | backoff | stopped
+        self.healthy = status == "running"
+        self.healthy_since: float | None = now if self.healthy else None
+        self.failures = 0
+        self.restarts = 0
+        self.next_start_at = 0.0
+        self.started_at = now
+        self.last_probe_at = now
+
+    def view(self) -> ProcessState:
+        pid = self.proc.pid if self.status in ("running", "starting") else None
+        return ProcessState(name=self.proc.name, url=self.url, pid=pid, healthy=self.healthy,
+                            restarts=self.restarts, log=str(self.proc.log_path), status=self.status)
+
+
+class Supervisor:
+    """Restarts processes that die, with backoff, starting at most one at a time."""
+
+    def __init__(self, backoff: Backoff = Backoff(), *, startup_timeout_s: float = 600.0, probe_interval_s: float = 2.0,
+                 probe_timeout_s: float = 1.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.backoff = backoff
+        self.startup_timeout_s = startup_timeout_s
+        self.probe_interval_s = probe_interval_s
+        self.probe_timeout_s = probe_timeout_s
+        self.clock = clock
+        self.slots: list[Slot] = []
+
+    def add(self, proc: Supervised, url: str) -> Slot:
+        """Watch a process that is already running and healthy."""
+        slot = Slot(proc, url, now=self.clock())
+        self.slots.append(slot)
+        return slot
+
+    def views(self) -> tuple[ProcessState, ...]:
+        return tuple(s.view() for s in self.slots)
+
+    def tick(self) -> bool:
+        """Look at every process once; return whether anything a status reader sees changed."""
+        before = self.views()
+        for slot in self.slots:
+            {"running": self._running, "starting": self._starting, "backoff": self._backoff}.get(
+                slot.status, lambda s: None)(slot)
+        return self.views() != before
+
+    def stop_all(self, order: Sequence[Slot] | None = None) -> None:
+        """Stop every process (in `order`, default: last added first)."""
+        for slot in order if order is not None else reversed(self.slots):
+            slot.proc.stop()
+            slot.status, slot.healthy = "stopped", False
+
+    def _failed(self, slot: Slot, why: str) -> None:
+        slot.failures += 1
+        delay = self.backoff.delay(slot.failures)
+        slot.status, slot.healthy, slot.healthy_since = "backoff", False, None
+        slot.next_start_at = self.clock() + delay
+        logger.warning("%s %s; restarting in %.1f s (failure %d in a row), log %s", slot.proc.name, why, delay,
+                       slot.failures, slot.proc.log_path)
+
+    def _running(self, slot: Slot) -> None:
+        code = slot.proc.poll()
+        if code is not None:
+            self._failed(slot, f"exited with code {code}")
+            return
+        now = self.clock()
+        if now - slot.last_probe_at < self.probe_interval_s:
+            return
+        slot.last_probe_at = now
+        healthy = slot.proc.healthy(self.probe_timeout_s)
+        if healthy and not slot.healthy:
+            slot.healthy_since = now
+        if not healthy:
+            slot.healthy_since = None
+        slot.healthy = healthy
+        if healthy and slot.failures and slot.healthy_since is not None \
+                and now - slot.healthy_since >= self.backoff.reset_after_s:
+            slot.failures = 0
+
+    def _starting(self, slot: Slot) -> None:
+        code = slot.proc.poll()
+        if code is not None:
+            self._failed(slot, f"exited with code {code} while starting")
+        elif slot.proc.healthy(self.probe_timeout_s):
+            now = self.clock()
+            slot.status, slot.healthy, slot.healthy_since, slot.last_probe_at = "running", True, now, now
+            logger.info("%s is back (restart %d), pid %s", slot.proc.name, slot.restarts, slot.proc.pid)
+        elif self.clock() - slot.started_at > self.startup_timeout_s:
+            slot.proc.stop()
+            self._failed(slot, f"was not healthy within {self.startup_timeout_s:g} s of its start")
+
+    def _backoff(self, slot: Slot) -> None:
+        # One start at a time: vLLM instances sharing a GPU profile memory wrongly when they start together.
+        if self.clock() < slot.next_start_at or any(s.status == "starting" for s in self.slots):
+            return
+        slot.proc.stop()  # reap the dead leader and anything left in its group
+        slot.proc.start()
+        slot.restarts += 1
+        slot.status, slot.started_at = "starting", self.clock()
+        logger.info("%s restarted (restart %d), pid %s", slot.proc.name, slot.restarts, slot.proc.pid)
