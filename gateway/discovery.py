@@ -24,7 +24,7 @@ class SystemResolver:
 
     async def resolve(self, name: str, port: int) -> list[str]:
         infos = await asyncio.get_running_loop().getaddrinfo(name, port, type=socket.SOCK_STREAM)
-        return sorted({info[4][0] for info in infos})
+        return sorted({str(info[4][0]) for info in infos})
 
 
 def _url(scheme: str, address: str, port: int) -> str:

@@ -144,6 +144,7 @@ class Proxy:
         status = upstream.response.status
         labels = (lease.replica.url, info.model)
         headers = self._head(request, upstream, lease)
+        response: web.StreamResponse
         if not upstream.streaming:
             response = web.Response(body=upstream.first, status=status, headers=headers)
         else:

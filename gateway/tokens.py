@@ -30,7 +30,7 @@ def _load(source: str) -> Tokenizer | None:
     if not path.is_file():
         return None
     try:
-        return HFTokenizer.from_file(str(path))  # type: ignore[no-any-return]
+        return HFTokenizer.from_file(str(path))
     except (OSError, ValueError, RuntimeError) as exc:  # tokenizers raises these for unreadable files
         logger.warning("cannot load tokenizer %s (%s); estimating token counts", path, exc)
         return None

@@ -1,0 +1,16 @@
+"""The gateway type-checks under mypy --strict."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_gateway_is_mypy_strict_clean() -> None:
+    """mypy --strict finds nothing in gateway/."""
+    result = subprocess.run([sys.executable, "-m", "mypy", "gateway"], cwd=ROOT, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
