@@ -7,7 +7,7 @@ import contextlib
 import hmac
 import logging
 import random
-import uuid
+import os
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import aiohttp
@@ -121,7 +121,7 @@ def _authorized(request: web.Request, keys: tuple[str, ...]) -> bool:
 @web.middleware
 async def boundary(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Request ids, API keys, and every error turned into an OpenAI-style body with the right status."""
-    request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+    request_id = request.headers.get("x-request-id") or os.urandom(16).hex()
     request[REQUEST_ID] = request_id
     gw = request.app[GATEWAY]
     try:
