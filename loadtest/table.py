@@ -42,14 +42,22 @@ def _cell(summary: dict[str, Any], key: str, fmt: str) -> str:
 
 
 def _recovery_cell(summary: dict[str, Any], metric: str) -> str | None:
+    """'max 2.1 s' over the bursts that had a pre-burst level, with how many never recovered."""
     bursts = summary.get("burst_recovery")
     if not bursts:
         return None
-    times = [b[metric]["recovery_s"] for b in bursts]
-    known = [t for t in times if t is not None]
+    measured = [b[metric]["recovery_s"] for b in bursts if b[metric]["baseline_p99_ms"] is not None]
+    if not measured:
+        return "-"  # no base-rate requests before the bursts to compare with
+    known = [t for t in measured if t is not None]
     text = f"max {max(known):.1f} s" if known else "never"
-    missed = len(times) - len(known)
-    return text + (f" ({missed}/{len(times)} not)" if missed and known else "")
+    missed = len(measured) - len(known)
+    return text + (f" ({missed}/{len(measured)} not)" if missed and known else "")
+
+
+def _drain_cell(summary: dict[str, Any]) -> str | None:
+    bursts = summary.get("burst_recovery")
+    return f"max {max(b['drain_s'] for b in bursts):.1f} s" if bursts else None
 
 
 def _extra_rows(summaries: Sequence[dict[str, Any]]) -> list[tuple[str, list[str]]]:
@@ -57,8 +65,9 @@ def _extra_rows(summaries: Sequence[dict[str, Any]]) -> list[tuple[str, list[str
     replicas = sorted({name for s in summaries for name in s.get("requests_per_replica", {})})
     for name in replicas:
         rows.append((f"Requests to {name}", [str(s.get("requests_per_replica", {}).get(name, 0)) for s in summaries]))
-    for metric, label in (("ttft", "Burst recovery, p99 TTFT"), ("e2el", "Burst recovery, p99 E2E")):
-        cells = [_recovery_cell(s, metric) for s in summaries]
+    for label, cells in (("Burst recovery, p99 TTFT", [_recovery_cell(s, "ttft") for s in summaries]),
+                         ("Burst recovery, p99 E2E", [_recovery_cell(s, "e2el") for s in summaries]),
+                         ("Burst drain", [_drain_cell(s) for s in summaries])):
         if any(c is not None for c in cells):
             rows.append((label, [c or "-" for c in cells]))
     return rows
