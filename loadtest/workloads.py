@@ -5,7 +5,9 @@ requests in any order, in any process, and an open-ended closed-loop run can ask
 
 Synthetic prompts are common English words, one per wanted input token: most BPE tokenizers (GPT-2,
 OPT, Llama) encode each as one token, so the prompt length is close to, not exactly, the wanted one.
-The server's own count (`usage.prompt_tokens`) is what the report uses when the server gives it.
+Given the served model's tokenizer (`tokenizer`: a tokenizer.json or a directory holding one), prompts
+are cut to the wanted number of tokens instead, and ShareGPT lengths are counted with it. The server's
+own count (`usage.prompt_tokens`) is what the report uses when the server gives it.
 """
 
 from __future__ import annotations
@@ -13,9 +15,9 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -54,6 +56,7 @@ class WorkloadSpec:
     short: tuple[int, int] = (128, 32)  # mix: (input, output) of a short request
     long: tuple[int, int] = (2048, 512)  # mix: (input, output) of a long request
     long_fraction: float = 0.2
+    tokenizer: str | None = None  # tokenizer.json, or a model directory holding one
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -82,6 +85,48 @@ class Workload(Protocol):
     def request(self, index: int) -> RequestSpec: ...
 
 
+class Tokens(Protocol):
+    """Counts tokens, and cuts text to a number of tokens."""
+
+    def count(self, text: str) -> int: ...
+
+    def fit(self, text: str, tokens: int) -> str: ...
+
+
+class EstimatedTokens:
+    """No tokenizer: about four characters per token; random-word prompts are left as they are."""
+
+    def count(self, text: str) -> int:
+        return estimate_tokens(text)
+
+    def fit(self, text: str, tokens: int) -> str:
+        return text
+
+
+@dataclass(frozen=True)
+class TokenizerTokens:
+    """A Hugging Face `tokenizers` tokenizer (the served model's)."""
+
+    tokenizer: Any
+
+    @classmethod
+    def load(cls, path: str) -> TokenizerTokens:
+        from tokenizers import Tokenizer  # only when asked for: a large import
+
+        file = Path(path) / "tokenizer.json" if Path(path).is_dir() else Path(path)
+        try:
+            return cls(Tokenizer.from_file(str(file)))
+        except Exception as e:  # the library raises a bare Exception for unreadable or invalid files
+            raise ValueError(f"tokenizer {path!r} cannot be loaded: {e}") from e
+
+    def count(self, text: str) -> int:
+        return len(self.tokenizer.encode(text, add_special_tokens=False).ids)
+
+    def fit(self, text: str, tokens: int) -> str:
+        ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+        return str(self.tokenizer.decode(ids[:tokens]))
+
+
 def _rng(seed: int, index: int) -> np.random.Generator:
     return np.random.default_rng([seed, index])
 
@@ -91,19 +136,22 @@ def synthetic_prompt(rng: np.random.Generator, tokens: int) -> str:
     return " ".join(WORDS[i] for i in rng.integers(0, len(WORDS), tokens))
 
 
+def _uniform(rng: np.random.Generator, length: int, ratio: float) -> int:
+    low = max(1, math.floor(length * (1 - ratio)))
+    return int(rng.integers(low, max(low, math.floor(length * (1 + ratio))) + 1))
+
+
 @dataclass(frozen=True)
 class Synthetic:
     """Random-word prompts whose (input, output) lengths come from `spec.kind`'s distribution."""
 
     spec: WorkloadSpec
+    tokens: Tokens = field(default_factory=EstimatedTokens)
 
     def lengths(self, rng: np.random.Generator) -> tuple[int, int]:
         s = self.spec
         if s.kind == "uniform":
-            return (int(rng.integers(math.floor(s.input_len * (1 - s.range_ratio)),
-                                     math.floor(s.input_len * (1 + s.range_ratio)) + 1)),
-                    int(rng.integers(math.floor(s.output_len * (1 - s.range_ratio)),
-                                     math.floor(s.output_len * (1 + s.range_ratio)) + 1)))
+            return _uniform(rng, s.input_len, s.range_ratio), _uniform(rng, s.output_len, s.range_ratio)
         if s.kind == "lognormal":
             factors = np.exp(s.sigma * rng.standard_normal(2))
             return max(1, round(s.input_len * factors[0])), max(1, round(s.output_len * factors[1]))
@@ -114,7 +162,9 @@ class Synthetic:
     def request(self, index: int) -> RequestSpec:
         rng = _rng(self.spec.seed, index)
         n_in, n_out = self.lengths(rng)
-        return RequestSpec(index, synthetic_prompt(rng, max(n_in, 1)), max(n_in, 1), max(n_out, 1))
+        # Every word is at least one token, so n_in words hold at least n_in tokens to cut from.
+        prompt = self.tokens.fit(synthetic_prompt(rng, n_in), n_in)
+        return RequestSpec(index, prompt, n_in, n_out)
 
 
 def estimate_tokens(text: str) -> int:
@@ -126,21 +176,21 @@ def estimate_tokens(text: str) -> int:
 class ShareGpt:
     """Prompts and reply lengths from a ShareGPT-format file, in a seeded order, cycling when exhausted."""
 
-    pairs: tuple[tuple[str, int], ...]  # (first human turn, estimated tokens of the reply)
+    pairs: tuple[tuple[str, int, int], ...]  # (first human turn, its tokens, the reply's tokens)
     order: tuple[int, ...]
     output_len: int | None
 
     @classmethod
-    def load(cls, path: str, seed: int, output_len: int | None = None) -> ShareGpt:
-        pairs = tuple(parse_sharegpt(_read_json(path)))
+    def load(cls, path: str, seed: int, output_len: int | None = None, tokens: Tokens | None = None) -> ShareGpt:
+        pairs = tuple(parse_sharegpt(_read_json(path), tokens or EstimatedTokens()))
         if not pairs:
             raise ValueError(f"dataset {path!r} has no conversation that starts with a human turn and a reply")
         order = tuple(int(i) for i in np.random.default_rng(seed).permutation(len(pairs)))
         return cls(pairs, order, output_len)
 
     def request(self, index: int) -> RequestSpec:
-        prompt, reply_tokens = self.pairs[self.order[index % len(self.order)]]
-        return RequestSpec(index, prompt, estimate_tokens(prompt), self.output_len or reply_tokens)
+        prompt, prompt_tokens, reply_tokens = self.pairs[self.order[index % len(self.order)]]
+        return RequestSpec(index, prompt, prompt_tokens, self.output_len or reply_tokens)
 
 
 def _read_json(path: str) -> object:
@@ -152,8 +202,9 @@ def _read_json(path: str) -> object:
         raise ValueError(f"dataset {path!r} is not JSON: {e}") from e
 
 
-def parse_sharegpt(data: object) -> list[tuple[str, int]]:
-    """(prompt, reply tokens) from ShareGPT JSON: a list of {"conversations": [{"from", "value"}, ...]}."""
+def parse_sharegpt(data: object, tokens: Tokens) -> list[tuple[str, int, int]]:
+    """(prompt, prompt tokens, reply tokens) from ShareGPT JSON: a list of
+    {"conversations": [{"from": "human", "value": ...}, {"from": "gpt", "value": ...}, ...]}."""
     if not isinstance(data, list):
         raise ValueError("a ShareGPT dataset is a JSON list of {\"conversations\": [...]} objects")
     pairs = []
@@ -166,13 +217,15 @@ def parse_sharegpt(data: object) -> list[tuple[str, int]]:
             continue
         if first.get("from") != "human" or not first.get("value") or not second.get("value"):
             continue
-        pairs.append((str(first["value"]), estimate_tokens(str(second["value"]))))
+        prompt = str(first["value"])
+        pairs.append((prompt, tokens.count(prompt), tokens.count(str(second["value"]))))
     return pairs
 
 
 def build_workload(spec: WorkloadSpec) -> Workload:
     """The workload `spec` describes (a ShareGPT file is read here, once)."""
+    tokens = TokenizerTokens.load(spec.tokenizer) if spec.tokenizer else EstimatedTokens()
     if spec.kind == "sharegpt":
         assert spec.dataset is not None  # checked by WorkloadSpec
-        return ShareGpt.load(spec.dataset, spec.seed, spec.sharegpt_output_len)
-    return Synthetic(spec)
+        return ShareGpt.load(spec.dataset, spec.seed, spec.sharegpt_output_len, tokens)
+    return Synthetic(spec, tokens)

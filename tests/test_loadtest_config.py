@@ -37,7 +37,8 @@ def test_options_round_trip_through_to_argv() -> None:
         arrival=ArrivalSpec(kind="ramp", rate=2.5, duration=42.0, burstiness=0.25, burst_size=3, burst_period=7.5,
                             steps=((0.0, 1.0), (10.0, 4.5)), seed=11),
         workload=WorkloadSpec(kind="mix", input_len=100, output_len=20, range_ratio=0.3, sigma=0.9,
-                              sharegpt_output_len=12, short=(10, 2), long=(300, 40), long_fraction=0.4, seed=11),
+                              sharegpt_output_len=12, short=(10, 2), long=(300, 40), long_fraction=0.4, tokenizer="/t",
+                              seed=11),
     )
     assert _parse(to_argv(config)) == config
 

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from loadtest.payload import request_body
-from loadtest.workloads import WORDS, RequestSpec, WorkloadSpec, build_workload, estimate_tokens, parse_sharegpt
+from loadtest.workloads import (WORDS, EstimatedTokens, RequestSpec, WorkloadSpec, build_workload, estimate_tokens,
+                                parse_sharegpt)
 
 
 def _draw(spec: WorkloadSpec, n: int = 2000) -> list[RequestSpec]:
@@ -96,7 +97,7 @@ def test_sharegpt_problems_are_named(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="no conversation"):
         build_workload(WorkloadSpec(kind="sharegpt", dataset=str(empty)))
     with pytest.raises(ValueError, match="JSON list"):
-        parse_sharegpt({"conversations": []})
+        parse_sharegpt({"conversations": []}, EstimatedTokens())
 
 
 def test_estimate_tokens_is_about_four_characters_each() -> None:
@@ -126,3 +127,52 @@ def test_request_bodies_stream_with_usage_for_both_endpoints() -> None:
                           "temperature": 0.0, "ignore_eos": True, "prompt": "hello there"}
     chat = request_body("m", "chat", request, ignore_eos=False)
     assert chat["messages"] == [{"role": "user", "content": "hello there"}] and "ignore_eos" not in chat
+
+
+def _train_tokenizer(path: Path) -> Path:
+    """A small byte-level BPE tokenizer, trained here (words split into several tokens)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(["The quick brown fox jumps over the lazy dog."] * 10, trainer)
+    tokenizer.save(str(path / "tokenizer.json"))
+    return path
+
+
+def test_a_tokenizer_makes_prompt_lengths_exact(tmp_path: Path) -> None:
+    """With the model's tokenizer, prompts have exactly the wanted number of tokens."""
+    from tokenizers import Tokenizer
+
+    directory = _train_tokenizer(tmp_path)
+    tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
+    rough = build_workload(WorkloadSpec(kind="uniform", input_len=100, output_len=5)).request(3)
+    assert len(tokenizer.encode(rough.prompt).ids) > 1.5 * rough.prompt_tokens  # words split into many tokens
+    workload = build_workload(WorkloadSpec(kind="uniform", input_len=100, output_len=5, tokenizer=str(directory)))
+    for i in range(20):
+        request = workload.request(i)
+        assert len(tokenizer.encode(request.prompt).ids) == request.prompt_tokens
+
+
+def test_a_tokenizer_counts_sharegpt_lengths(tmp_path: Path) -> None:
+    """ShareGPT prompt and reply lengths are counted with the tokenizer when one is given."""
+    from tokenizers import Tokenizer
+
+    directory = _train_tokenizer(tmp_path)
+    tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
+    prompt, reply = "The lazy dog sleeps.", "The quick brown fox jumps over it."
+    path = tmp_path / "sharegpt.json"
+    path.write_text(json.dumps([{"conversations": [{"from": "human", "value": prompt},
+                                                   {"from": "gpt", "value": reply}]}]))
+    request = build_workload(WorkloadSpec(kind="sharegpt", dataset=str(path),
+                                          tokenizer=str(directory / "tokenizer.json"))).request(0)
+    assert (request.prompt_tokens, request.max_tokens) == (len(tokenizer.encode(prompt).ids),
+                                                           len(tokenizer.encode(reply).ids))
+
+
+def test_an_unreadable_tokenizer_is_named(tmp_path: Path) -> None:
+    """A tokenizer path that does not load gives an error naming it."""
+    with pytest.raises(ValueError, match="tokenizer .* cannot be loaded"):
+        build_workload(WorkloadSpec(tokenizer=str(tmp_path)))
