@@ -4,23 +4,21 @@ Each replica's step submits its device part (seconds of work on an otherwise idl
 device work outstanding, each progresses at 1/k speed (processor sharing: under MPS or time-slicing, memory-bound
 kernels of several processes split the memory bandwidth). The host parts do not appear here: a replica's host
 part runs while the GPU serves the others, and that overlap is what replication buys.
+
+Processor sharing is kept in "virtual work" time: the work clock V advances at 1/k per second while k jobs are
+active, a job submitted at V0 with w seconds of work finishes when V reaches V0 + w, and jobs finish in order of
+that tag (a heap), so an event costs O(log k) rather than a pass over every job.
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 from collections.abc import Callable
 
 from .clock import Clock
 
-_EPS = 1e-9  # seconds of work: a job this close to done is done (float rounding)
-
-
-class _Job:
-    __slots__ = ("remaining", "callback")
-
-    def __init__(self, remaining: float, callback: Callable[[], None]) -> None:
-        self.remaining = remaining
-        self.callback = callback
+_EPS = 1e-12  # seconds of work: a job this close to done is done (float rounding)
 
 
 class SharedDevice:
@@ -28,7 +26,9 @@ class SharedDevice:
 
     def __init__(self, clock: Clock) -> None:
         self._clock = clock
-        self._jobs: list[_Job] = []
+        self._jobs: list[tuple[float, int, Callable[[], None]]] = []  # (finish tag, order, callback)
+        self._order = itertools.count()
+        self._work_clock = 0.0
         self._last = clock.now()
         self._generation = 0
         self.busy_s = 0.0  # time with at least one job: utilization = busy_s / elapsed
@@ -42,32 +42,30 @@ class SharedDevice:
         """Run `work_s` seconds of device work; call `callback` when it is done."""
         self._advance()
         self.work_s += work_s
-        self._jobs.append(_Job(work_s, callback))
+        heapq.heappush(self._jobs, (self._work_clock + work_s, next(self._order), callback))
         self._reschedule()
 
     def _advance(self) -> None:
         now = self._clock.now()
-        jobs = self._jobs
-        if jobs and now > self._last:
-            share = (now - self._last) / len(jobs)
-            for job in jobs:
-                job.remaining -= share
+        if self._jobs and now > self._last:
+            self._work_clock += (now - self._last) / len(self._jobs)
             self.busy_s += now - self._last
         self._last = now
 
     def _reschedule(self) -> None:
         self._generation += 1
         if self._jobs:
-            first = min(job.remaining for job in self._jobs)
-            when = self._clock.now() + max(first, 0.0) * len(self._jobs)
-            self._clock.call_at(when, self._complete, self._generation)
+            left = max(self._jobs[0][0] - self._work_clock, 0.0)
+            self._clock.call_at(self._last + left * len(self._jobs), self._complete, self._generation)
 
     def _complete(self, generation: int) -> None:
         if generation != self._generation:
             return  # superseded: the set of jobs changed since this completion was scheduled
         self._advance()
-        done = [job for job in self._jobs if job.remaining <= _EPS]
-        self._jobs = [job for job in self._jobs if job.remaining > _EPS]
+        done = []
+        jobs = self._jobs
+        while jobs and jobs[0][0] <= self._work_clock + _EPS:
+            done.append(heapq.heappop(jobs)[2])
         self._reschedule()
-        for job in done:
-            job.callback()
+        for callback in done:
+            callback()
