@@ -4,6 +4,7 @@
      ├── ProfileError            a profile file or directory is missing, unreadable or malformed
      ├── NoFeasibleBatch         no profiled batch size survives the preemption and SLO filters
      └── MemoryPlanError         the memory facts are missing or no replica fits
+    RunError                     a measurement failed (a replica died, every request failed): exit code 1
 """
 
 from __future__ import annotations
@@ -23,3 +24,7 @@ class NoFeasibleBatch(PlannerError):
 
 class MemoryPlanError(PlannerError):
     """Memory facts are missing, or not even one replica fits."""
+
+
+class RunError(RuntimeError):
+    """A profile or validation run failed for a reason outside the user's input."""

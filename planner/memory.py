@@ -5,7 +5,8 @@ A replica's slice of the device is
     weights + KV for B* requests + runtime overhead, plus a safety margin on the sum
 
 where the KV part is the measured peak KV usage at B* (fraction of the pool x pool size) when the profile has
-it, else B* x (tokens per request rounded up to whole KV blocks) x bytes per token. On a GPU the slices are
+it, else B* x (tokens per request rounded up to whole KV blocks) x bytes per token (the larger of the two when
+both are known: see `replica_memory`). On a GPU the slices are
 packed into the usable part of the device (vLLM's default 0.9 of it) and the usable memory is then shared out
 evenly, as the papers do (0.9 / N each): the leftover, less than one slice, becomes headroom for every replica.
 On the CPU build vLLM takes the KV pool in whole GiB (VLLM_CPU_KVCACHE_SPACE), so the KV part is rounded up.
@@ -89,13 +90,27 @@ class ReplicaMemory:
 
 
 def replica_memory(facts: MemoryFacts, batch_size: int) -> ReplicaMemory:
-    """The slice one replica capped at `batch_size` needs."""
-    if facts.measured_kv_bytes is not None:
-        kv, source = facts.measured_kv_bytes, f"measured: peak KV-cache usage at B={batch_size} x the KV pool"
-    elif facts.kv_bytes_per_token is not None and facts.tokens_per_request is not None:
-        kv = kv_bytes_for_batch(batch_size, facts.tokens_per_request, facts.kv_bytes_per_token, facts.block_size)
-        source = (f"computed: {batch_size} requests x {facts.tokens_per_request} tokens rounded up to "
-                  f"{facts.block_size}-token blocks x {facts.kv_bytes_per_token:g} bytes/token")
+    """The slice one replica capped at `batch_size` needs.
+
+    KV: the measured peak when the profile has one; when the workload's lengths are known too, the larger of
+    the two, because the peak is sampled (a short run can fall between scrapes) and requests in a steady closed
+    loop are staggered, while a burst can bring B* requests to full length at once.
+    """
+    computed = None
+    if facts.kv_bytes_per_token is not None and facts.tokens_per_request is not None:
+        computed = kv_bytes_for_batch(batch_size, facts.tokens_per_request, facts.kv_bytes_per_token,
+                                      facts.block_size)
+        how = (f"{batch_size} requests x {facts.tokens_per_request} tokens rounded up to {facts.block_size}-token "
+               f"blocks x {facts.kv_bytes_per_token:g} bytes/token")
+    measured = facts.measured_kv_bytes
+    if measured is not None and (computed is None or measured >= computed):
+        kv, source = measured, f"measured: peak KV-cache usage at B={batch_size} x the KV pool"
+        if computed is not None:
+            source += f" (>= {computed} bytes computed: {how})"
+    elif computed is not None:
+        kv, source = computed, f"computed: {how}"
+        if measured is not None:
+            source += f" (> the {measured} bytes measured at the sampled peak)"
     else:
         missing = [flag for flag, value in (("--kv-bytes-per-token", facts.kv_bytes_per_token),
                                             ("--tokens-per-request", facts.tokens_per_request)) if value is None]

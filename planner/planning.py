@@ -229,12 +229,19 @@ def _reasoning(profile: Profile, choice: Choice, bca: Any, memory: ReplicaMemory
     memory_dict = memory.to_dict()
     memory_dict["margin"] = config.margin
     memory_dict["sources"] = sources
-    summary = (f"B* = {choice.batch_size} ({choice.chosen_tok_s:.0f} tok/s, within {choice.epsilon:.0%} of "
-               f"{choice.best_tok_s:.0f}); one replica needs {gib(memory.total_bytes)} GiB "
-               f"({gib(memory.weights_bytes)} weights + {gib(memory.kv_bytes)} KV + {gib(memory.overhead_bytes)} "
-               f"overhead + {gib(memory.margin_bytes)} margin); {layout['replicas']} replica(s) on {device}.")
+    head = (f"B* = {choice.batch_size} ({choice.chosen_tok_s:.0f} tok/s, within {choice.epsilon:.0%} of "
+            f"{choice.best_tok_s:.0f} at B={choice.best_batch_size})")
+    if device == "gpu":
+        summary = (f"{head}; one replica needs {gib(memory.total_bytes)} GiB ({gib(memory.weights_bytes)} weights + "
+                   f"{gib(memory.kv_bytes)} KV + {gib(memory.overhead_bytes)} overhead + "
+                   f"{gib(memory.margin_bytes)} margin); {layout['replicas']} replica(s) at "
+                   f"gpu_memory_utilization {layout['fraction_each']} each.")
+    else:
+        summary = (f"{head}; KV for B* requests {gib(memory.kv_bytes)} GiB -> VLLM_CPU_KVCACHE_SPACE "
+                   f"{layout['cpu_kvcache_space_gib']} GiB per replica; {layout['replicas']} replica(s) on CPU.")
     return _plain({
         "summary": summary,
+        "warnings": plan_warnings(profile, choice),
         "profile": profile.context.source,
         "device": device,
         "batch": {
@@ -255,6 +262,19 @@ def _reasoning(profile: Profile, choice: Choice, bca: Any, memory: ReplicaMemory
         "admission": f"the gateway sends each replica at most B* = {choice.batch_size} requests at once and "
                      "queues the rest, so no replica runs past its plateau",
     })
+
+
+def plan_warnings(profile: Profile, choice: Choice) -> list[str]:
+    """What a reader of the plan should double-check."""
+    warnings = []
+    sizes = [c.batch_size for c in choice.candidates if c.envelope_tok_s is not None]
+    if sizes and choice.best_batch_size == max(sizes):
+        warnings.append(f"the best throughput is at the largest batch size profiled (B={choice.best_batch_size}): "
+                        "the plateau may lie further out; profile larger batch sizes to be sure")
+    failed = [p.batch_size for p in profile.points if p.failed_requests]
+    if failed:
+        warnings.append(f"some requests failed at B={failed}: those points may understate throughput")
+    return warnings
 
 
 def _plain(value: Any) -> Any:

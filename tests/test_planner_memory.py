@@ -92,3 +92,12 @@ def test_cpu_kv_space_is_whole_gib_with_margin_and_at_least_one() -> None:
     assert cpu_kvcache_space_gib(GIB, 0.0) == 1
     assert cpu_kvcache_space_gib(GIB, 0.1) == 2
     assert cpu_kvcache_space_gib(0, 0.1) == 1
+
+
+def test_computed_kv_wins_when_the_sampled_peak_is_lower() -> None:
+    """A sampled peak below what B* full-length requests hold is not trusted: the computed need is used."""
+    facts = MemoryFacts(weights_bytes=0, overhead_bytes=0, margin=0.0, kv_bytes_per_token=1000.0,
+                        tokens_per_request=100, block_size=16, measured_kv_bytes=1000)
+    memory = replica_memory(facts, 8)
+    assert memory.kv_bytes == 8 * 112 * 1000  # 100 tokens -> 7 blocks of 16
+    assert memory.kv_source.startswith("computed") and "1000 bytes measured" in memory.kv_source

@@ -130,3 +130,13 @@ def test_split_vllm_args_drops_what_the_plan_sets() -> None:
     """--max-model-len goes to its own field; flags the plan sets are dropped in both spellings."""
     args = ("--max-num-seqs", "8", "--max-model-len=1024", "--dtype", "half", "--port", "1", "--enforce-eager")
     assert split_vllm_args(args) == (1024, ("--dtype", "half", "--enforce-eager"))
+
+
+def test_plateau_at_the_largest_profiled_batch_is_a_warning(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """When the best B is the largest profiled, the plan says the plateau may lie further out."""
+    profile = tmp_path / "prof.csv"
+    profile.write_text("batch_size,total_tok_s\n8,100\n16,190\n32,400\n")
+    assert main(["plan", "--profile", str(profile), "--out", str(tmp_path / "p.yaml"), "--device", "cpu",
+                 "--model", "m", "--kv-bytes-per-token", "1000", "--tokens-per-request", "64"]) == 0
+    assert "warning: the best throughput is at the largest batch size profiled (B=32)" in capsys.readouterr().out
+    assert load(tmp_path / "p.yaml").reasoning["warnings"]
