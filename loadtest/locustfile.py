@@ -40,11 +40,13 @@ from loadtest.workloads import build_workload
 logger = logging.getLogger(__name__)
 
 
-@events.init_command_line_parser.add_listener
 def _add_options(parser: Any, **_kwargs: Any) -> None:
     add_arguments(parser)
     parser.add_argument("--hosts", default="", help="comma-separated hosts to round-robin over (default: --host)")
     parser.add_argument("--out", default="", help="directory for records.jsonl and meta.json")
+
+
+events.init_command_line_parser.add_listener(_add_options)  # type: ignore[no-untyped-call]  # locust's hook is untyped
 
 
 class LocustReporter:

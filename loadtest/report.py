@@ -179,7 +179,11 @@ def timeline(records: Sequence[RequestRecord], schedule: Sequence[float] | None 
     """Rates per time bin and the in-flight step function (`schedule`: the open-loop send times)."""
     end = max([r.end_s for r in records] + list(schedule if schedule is not None else []), default=0.0)
     edges = np.arange(0.0, end + bin_s, bin_s) if end > 0 else np.array([0.0, bin_s])
-    count = lambda values: np.histogram(np.asarray(values, dtype=float), edges)[0] / bin_s  # noqa: E731
+
+    def count(values: Sequence[float]) -> np.ndarray:
+        per_bin: np.ndarray = np.histogram(np.asarray(values, dtype=float), edges)[0] / bin_s
+        return per_bin
+
     tokens = [t for r in records if r.ok for t in r.token_times_s]
     events = sorted([(r.sent_s, 1) for r in records] + [(r.end_s, -1) for r in records])
     times = np.array([0.0] + [t for t, _ in events])

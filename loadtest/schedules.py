@@ -136,7 +136,8 @@ class _Profile:
         du = u - self.cumulative[j]
         r, s = self.rates[j], self.slopes[j]
         # Λ is quadratic on a segment; this root form stays exact when the slope is 0.
-        return self.starts[j] + 2 * du / (r + np.sqrt(np.maximum(r * r + 2 * s * du, 0.0)))
+        times: np.ndarray = self.starts[j] + 2 * du / (r + np.sqrt(np.maximum(r * r + 2 * s * du, 0.0)))
+        return times
 
 
 def _warp(profile: _Profile, burstiness: float, seed: int) -> np.ndarray:
