@@ -1,0 +1,166 @@
+"""`sim`: serve simulated vLLM replicas, check the calibration, or run a large experiment in virtual time.
+
+    sim serve --model CONFIG --gpu NAME --replicas N --port P [--max-num-seqs B] [--gpu-memory-utilization F]
+    sim calibrate [--fit]
+    sim run --model CONFIG --gpu NAME --replicas 16 --requests 100000 --load 0.8
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from collections.abc import Sequence
+
+from aiohttp import web
+
+from .clock import LoopClock
+from .config import ServeConfig
+from .gpus import GpuSpec, get_gpu, parse_gpu_spec
+from .model import load_model
+from .node import Node, NodeSpec
+from .steptime import StepCost
+
+logger = logging.getLogger(__name__)
+
+
+class UsageError(ValueError):
+    """A bad command-line value; the message names it."""
+
+
+def _add_node_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="a HF config.json, a directory holding one, or opt-125m, "
+                   "opt-1.3b, opt-2.7b")
+    gpu = p.add_mutually_exclusive_group()
+    gpu.add_argument("--gpu", default="H100-80GB", help="A100-40GB, H100-64GB, H100-80GB, H200, L4 (default H100-80GB)")
+    gpu.add_argument("--gpu-spec", help="a GPU not in the table: memory_gib=48,bandwidth_gbps=864,tflops=181")
+    p.add_argument("--replicas", type=int, default=1, help="replicas sharing the GPU (1)")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="batch cap per replica (256)")
+    p.add_argument("--max-num-batched-tokens", type=int, help="token budget per step (vLLM's default)")
+    p.add_argument("--gpu-memory-utilization", type=float, help="memory fraction per replica (0.9/replicas)")
+    p.add_argument("--enable-chunked-prefill", action="store_true", help="V1-style chunked prefill scheduling")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="sim", description="Simulated vLLM replicas sharing one GPU")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="serve N OpenAI-compatible simulated replicas on ports P..P+N-1")
+    _add_node_flags(serve)
+    serve.add_argument("--port", type=int, default=8000, help="first replica's port (8000)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1)")
+    serve.add_argument("--served-model-name", help="model name the API uses (default: the config's)")
+    serve.add_argument("--seed", type=int, default=0, help="seed for simulated EOS positions")
+    serve.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    cal = sub.add_parser("calibrate", help="compare the simulator with the reference (and optionally refit)")
+    cal.add_argument("--fit", action="store_true", help="refit the three step-time constants first (minutes)")
+    run = sub.add_parser("run", help="a large experiment in virtual time: Poisson arrivals, gateway routing")
+    _add_node_flags(run)
+    run.add_argument("--requests", type=int, default=100_000)
+    run.add_argument("--load", type=float, default=0.8, help="arrival rate as a fraction of capacity (0.8)")
+    run.add_argument("--policy", default="least_outstanding_tokens")
+    run.add_argument("--seed", type=int, default=0)
+    return parser
+
+
+def _gpu(args: argparse.Namespace) -> GpuSpec:
+    try:
+        return parse_gpu_spec(args.gpu_spec) if args.gpu_spec else get_gpu(args.gpu)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def node_spec(args: argparse.Namespace) -> NodeSpec:
+    try:
+        model = load_model(args.model)
+        spec = NodeSpec(model, _gpu(args), args.replicas, args.max_num_seqs, args.gpu_memory_utilization,
+                        args.max_num_batched_tokens, args.enable_chunked_prefill, StepCost())
+        spec.engine_config()  # sizes the KV cache: fails here, with the reason, when the model does not fit
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    return spec
+
+
+def serve_config(args: argparse.Namespace) -> ServeConfig:
+    spec = node_spec(args)
+    try:
+        return ServeConfig(spec.model, spec.gpu, args.replicas, args.port, args.host, args.served_model_name,
+                           args.max_num_seqs, args.max_num_batched_tokens, args.gpu_memory_utilization,
+                           args.enable_chunked_prefill, spec.cost, args.seed, args.log_level)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def node_for(config: ServeConfig, clock: LoopClock) -> Node:
+    spec = NodeSpec(config.model, config.gpu, config.replicas, config.max_num_seqs, config.utilization,
+                    config.max_num_batched_tokens, config.chunked_prefill, config.cost)
+    return Node(spec, clock)
+
+
+async def serve(config: ServeConfig) -> None:
+    """Run the replicas until SIGINT/SIGTERM."""
+    from .server import make_app
+
+    loop = asyncio.get_running_loop()
+    node = node_for(config, LoopClock(loop))
+    runners = []
+    try:
+        for i, engine in enumerate(node.engines):
+            runner = web.AppRunner(make_app(engine, config.model_name, config.seed + i), access_log=None,
+                                   handler_cancellation=True)
+            await runner.setup()
+            await web.TCPSite(runner, config.host, config.port + i).start()
+            runners.append(runner)
+        cfg = node.engine_config
+        logger.info("%d simulated replica(s) of %s on one %s at http://%s:%d..%d: %d KV blocks each, "
+                    "max_num_seqs %d", config.replicas, config.model_name, config.gpu.name, config.host,
+                    config.port, config.port + config.replicas - 1, cfg.num_gpu_blocks, cfg.max_num_seqs)
+        stop = asyncio.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+    finally:
+        for runner in runners:
+            await runner.cleanup()
+
+
+def _calibrate(args: argparse.Namespace) -> None:
+    from .calibrate import compare, fit, format_table
+
+    cost = StepCost()
+    if args.fit:
+        cost = fit(cost)
+        print(f"fitted: {cost}")
+    print(format_table(compare(cost), cost))
+
+
+def _run(args: argparse.Namespace) -> None:
+    from .fleet import run_open_loop
+
+    spec = node_spec(args)
+    print(run_open_loop(spec, args.requests, args.load, args.policy, args.seed).report())
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=getattr(args, "log_level", "info").upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        if args.command == "serve":
+            config = serve_config(args)
+            import uvloop
+            uvloop.run(serve(config))
+        elif args.command == "calibrate":
+            _calibrate(args)
+        else:
+            _run(args)
+    except UsageError as exc:
+        print(f"sim: {exc}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,363 @@
+"""OpenAI-compatible HTTP replicas over simulated engines, in real time (`sim serve`).
+
+Each replica is one aiohttp application over one `Engine`; the engines of a node share one simulated GPU and
+run on the event loop's clock, so tokens come out at the simulated pace: one SSE chunk per generated token.
+Endpoints: `/health`, `/v1/models`, `/v1/completions`, `/v1/chat/completions`, `/metrics` (vLLM's names).
+
+Prompt tokens are estimated from text (4 bytes per token, as the gateway does) or counted from token-id lists.
+A request generates `max_tokens` tokens when it sets `ignore_eos`; otherwise it stops earlier, at a simulated
+end of sequence drawn from a ShareGPT-like output length, with finish_reason "stop".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import random
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from .engine import Engine, SimRequest
+from .workload import REFERENCE_OUTPUT_MEAN
+
+logger = logging.getLogger(__name__)
+
+BYTES_PER_TOKEN = 4
+CHAT_TOKENS_PER_MESSAGE = 4
+TOKEN_TEXT = " tok"  # 4 bytes: a client re-estimating tokens from text gets the count back
+_EOS_SIGMA = 0.8
+
+
+class BadRequest(Exception):
+    """A client mistake: answered 400 (or `status`) with an OpenAI-style error body."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400) -> None:
+        super().__init__(message)
+        self.param = param
+        self.status = status
+
+
+@dataclass
+class ReplicaState:
+    """What one replica's app needs: its engine, its name, and a source of simulated EOS positions."""
+
+    engine: Engine
+    model_name: str
+    rng: random.Random = field(default_factory=random.Random)
+    created: int = field(default_factory=lambda: int(time.time()))
+    eos_mu: float = math.log(REFERENCE_OUTPUT_MEAN) - _EOS_SIGMA**2 / 2
+    requests_total: dict[str, int] = field(default_factory=dict)
+
+    def natural_length(self) -> int:
+        """Where a request that does not ignore EOS would stop (lognormal, ShareGPT-like mean)."""
+        return max(1, round(self.rng.lognormvariate(self.eos_mu, _EOS_SIGMA)))
+
+
+STATE = web.AppKey("sim_replica", ReplicaState)
+
+
+def estimate_tokens(text: str) -> int:
+    return max(1, -(-len(text.encode()) // BYTES_PER_TOKEN))
+
+
+def _prompts(prompt: Any) -> list[int]:
+    """Token counts of a completions `prompt`: a string, a list of strings, token ids, or lists of token ids."""
+    if isinstance(prompt, str):
+        return [estimate_tokens(prompt)]
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return [len(prompt)]
+        if all(isinstance(p, str) for p in prompt):
+            return [estimate_tokens(p) for p in prompt]
+        if all(isinstance(p, list) and p and all(isinstance(t, int) for t in p) for p in prompt):
+            return [len(p) for p in prompt]
+    raise BadRequest("'prompt' must be a string, a list of strings, a list of token ids or a list of such lists",
+                     "prompt")
+
+
+def _chat_tokens(messages: Any) -> int:
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest("'messages' must be a non-empty list", "messages")
+    total = 0
+    for message in messages:
+        if not isinstance(message, dict):
+            raise BadRequest("each message must be an object with 'role' and 'content'", "messages")
+        content = message.get("content")
+        if isinstance(content, str):
+            total += estimate_tokens(content)
+        elif isinstance(content, list):
+            total += sum(estimate_tokens(p["text"]) for p in content if isinstance(p, dict) and
+                         isinstance(p.get("text"), str))
+        total += CHAT_TOKENS_PER_MESSAGE
+    return total
+
+
+def _int(body: dict[str, Any], name: str, minimum: int) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise BadRequest(f"'{name}' must be an integer >= {minimum}, got {json.dumps(value)}", name)
+    return value
+
+
+@dataclass(frozen=True)
+class Parsed:
+    """A generation request reduced to what the engine needs."""
+
+    kind: str  # "completion" or "chat"
+    prompts: list[int]  # prompt tokens per choice group
+    n: int
+    max_tokens: int | None
+    ignore_eos: bool
+    stream: bool
+    include_usage: bool
+
+
+def parse(body: Any, kind: str, model_name: str) -> Parsed:
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be a JSON object")
+    model = body.get("model")
+    if model != model_name:
+        raise BadRequest(f"The model `{model}` does not exist.", "model", status=404)
+    if kind == "chat":
+        prompts = [_chat_tokens(body.get("messages"))]
+        max_tokens = _int(body, "max_completion_tokens", 1)
+        if max_tokens is None:
+            max_tokens = _int(body, "max_tokens", 1)
+    else:
+        if "prompt" not in body:
+            raise BadRequest("you must provide a prompt parameter", "prompt")
+        prompts = _prompts(body["prompt"])
+        max_tokens = _int(body, "max_tokens", 1)
+        if max_tokens is None:
+            max_tokens = 16  # the OpenAI completions default, as vLLM
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise BadRequest("'stream' must be a boolean", "stream")
+    options = body.get("stream_options") or {}
+    include_usage = bool(isinstance(options, dict) and options.get("include_usage"))
+    return Parsed(kind, prompts, _int(body, "n", 1) or 1, max_tokens, bool(body.get("ignore_eos", False)),
+                  stream, include_usage)
+
+
+class _Choice:
+    """One choice being generated: its engine request and the tokens not yet written to the client."""
+
+    __slots__ = ("index", "req", "pending", "finish_reason", "done")
+
+    def __init__(self, index: int, req: SimRequest, finish_reason: str) -> None:
+        self.index, self.req, self.finish_reason = index, req, finish_reason
+        self.pending = 0
+        self.done = False
+
+
+def _error(status: int, message: str, param: str | None = None) -> web.Response:
+    kind = {400: "BadRequestError", 404: "NotFoundError"}.get(status, "InternalServerError")
+    return web.json_response({"error": {"message": message, "type": kind, "param": param, "code": status}},
+                             status=status)
+
+
+async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
+    state = request.app[STATE]
+    try:
+        body = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return _error(400, "the request body is not valid JSON")
+    try:
+        parsed = parse(body, kind, state.model_name)
+        choices = _submit(state, parsed)
+    except BadRequest as exc:
+        return _error(exc.status, str(exc), exc.param)
+    wake = asyncio.Event()
+    for choice in choices:
+        choice.req.on_token = _on_token(choice, wake)
+        choice.req.on_finish = _on_finish(choice, wake)
+        state.engine.add(choice.req)
+    refused = next((c.req.error for c in choices if c.req.error), None)
+    if refused:
+        for choice in choices:
+            state.engine.abort(choice.req)
+        return _error(400, refused, "max_tokens")
+    try:
+        if parsed.stream:
+            return await _stream(request, state, parsed, choices, wake)
+        while not all(c.done for c in choices):
+            await wake.wait()
+            wake.clear()
+        return _full_response(state, parsed, choices)
+    finally:
+        for choice in choices:
+            if not choice.done:
+                state.engine.abort(choice.req)
+
+
+def _submit(state: ReplicaState, parsed: Parsed) -> list[_Choice]:
+    limit = state.engine.config.max_model_len
+    choices = []
+    for prompt in parsed.prompts:
+        budget = parsed.max_tokens if parsed.max_tokens is not None else limit - prompt
+        if prompt + budget > limit:
+            raise BadRequest(f"This model's maximum context length is {limit} tokens. However, you requested "
+                             f"{prompt + budget} tokens ({prompt} in the messages, {budget} in the completion). "
+                             "Please reduce the length of the messages or completion.", "max_tokens")
+        for _ in range(parsed.n):
+            out, reason = budget, "length"
+            if not parsed.ignore_eos:
+                natural = state.natural_length()
+                if natural < budget:
+                    out, reason = natural, "stop"
+            choices.append(_Choice(len(choices), SimRequest(prompt, out), reason))
+    return choices
+
+
+def _on_token(choice: _Choice, wake: asyncio.Event) -> Any:
+    def on_token(req: SimRequest, count: int) -> None:
+        choice.pending += count
+        wake.set()
+    return on_token
+
+
+def _on_finish(choice: _Choice, wake: asyncio.Event) -> Any:
+    def on_finish(req: SimRequest) -> None:
+        choice.done = True
+        wake.set()
+    return on_finish
+
+
+def _usage(choices: list[_Choice], parsed: Parsed) -> dict[str, int]:
+    prompt = sum(parsed.prompts)
+    completion = sum(c.req.generated for c in choices)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _chunk_choice(kind: str, index: int, text: str, finish: str | None) -> dict[str, Any]:
+    if kind == "chat":
+        return {"index": index, "delta": {"content": text}, "logprobs": None, "finish_reason": finish}
+    return {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
+
+
+async def _stream(request: web.Request, state: ReplicaState, parsed: Parsed, choices: list[_Choice],
+                  wake: asyncio.Event) -> web.StreamResponse:
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await response.prepare(request)
+    cid = f"{'chatcmpl' if parsed.kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+    obj = "chat.completion.chunk" if parsed.kind == "chat" else "text_completion"
+    head = {"id": cid, "object": obj, "created": int(time.time()), "model": state.model_name}
+    if parsed.kind == "chat":
+        for c in choices:
+            role = {**head, "choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
+                                         "logprobs": None, "finish_reason": None}]}
+            await response.write(b"data: " + json.dumps(role).encode() + b"\n\n")
+    written = [0] * len(choices)
+    while True:
+        out = []
+        for c in choices:
+            while c.pending:
+                c.pending -= 1
+                written[c.index] += 1
+                last = c.done and not c.pending and written[c.index] >= c.req.generated
+                chunk = {**head, "choices": [_chunk_choice(parsed.kind, c.index, TOKEN_TEXT,
+                                                           c.finish_reason if last else None)]}
+                out.append(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+        if out:
+            await response.write(b"".join(out))
+        if all(c.done and not c.pending for c in choices):
+            break
+        await wake.wait()
+        wake.clear()
+    if parsed.include_usage:
+        usage = {**head, "choices": [], "usage": _usage(choices, parsed)}
+        await response.write(b"data: " + json.dumps(usage).encode() + b"\n\n")
+    await response.write(b"data: [DONE]\n\n")
+    await response.write_eof()
+    return response
+
+
+def _full_response(state: ReplicaState, parsed: Parsed, choices: list[_Choice]) -> web.Response:
+    results = []
+    for c in choices:
+        text = TOKEN_TEXT * c.req.generated
+        if parsed.kind == "chat":
+            results.append({"index": c.index, "message": {"role": "assistant", "content": text},
+                            "logprobs": None, "finish_reason": c.finish_reason})
+        else:
+            results.append({"index": c.index, "text": text, "logprobs": None, "finish_reason": c.finish_reason})
+    prefix = "chatcmpl" if parsed.kind == "chat" else "cmpl"
+    return web.json_response({
+        "id": f"{prefix}-{uuid.uuid4().hex}", "object": "chat.completion" if parsed.kind == "chat" else
+        "text_completion", "created": int(time.time()), "model": state.model_name, "choices": results,
+        "usage": _usage(choices, parsed)})
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, "completion")
+
+
+async def chat(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, "chat")
+
+
+async def models(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    card = {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "vllm",
+            "root": state.model_name, "parent": None, "max_model_len": state.engine.config.max_model_len}
+    return web.json_response({"object": "list", "data": [card]})
+
+
+async def health(request: web.Request) -> web.Response:
+    return web.Response(status=200)
+
+
+def render_metrics(state: ReplicaState) -> str:
+    """vLLM's metric names (V1 and the older V0 usage name) and a few `sim:` extras."""
+    e, cfg = state.engine, state.engine.config
+    label = f'model_name="{state.model_name}"'
+    kv_bytes = cfg.num_gpu_blocks * cfg.block_size * e.steptime.model.kv_bytes_per_token
+    info = (f'block_size="{cfg.block_size}",num_gpu_blocks="{cfg.num_gpu_blocks}",'
+            f'kv_cache_memory_bytes="{kv_bytes}",max_num_seqs="{cfg.max_num_seqs}",'
+            f'max_num_batched_tokens="{cfg.max_num_batched_tokens}",enable_prefix_caching="False"')
+    lines = [
+        ("vllm:num_requests_running", "gauge", "Number of requests in model execution batches.", e.num_running),
+        ("vllm:num_requests_waiting", "gauge", "Number of requests waiting to be processed.", e.num_waiting),
+        ("vllm:kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage.", e.kv_usage),
+        ("vllm:gpu_cache_usage_perc", "gauge", "GPU KV-cache usage (V0 name). 1 means 100 percent usage.",
+         e.kv_usage),
+        ("vllm:num_preemptions", "counter", "Cumulative number of preemptions.", e.num_preemptions),
+        ("vllm:prompt_tokens", "counter", "Number of prefill tokens processed.", e.prompt_tokens_total),
+        ("vllm:generation_tokens", "counter", "Number of generation tokens processed.", e.generation_tokens_total),
+        ("vllm:request_success", "counter", "Count of successfully processed requests.", e.finished_total),
+        ("sim:kv_blocks_used", "gauge", "KV blocks in use.", e.used_blocks),
+        ("sim:gpu_device_active", "gauge", "Replicas with device work on the shared simulated GPU.",
+         e.device.active),
+        ("sim:gpu_busy_seconds", "counter", "Seconds the shared simulated GPU had device work.", e.device.busy_s),
+    ]
+    out = []
+    for name, kind, help_, value in lines:
+        sample = f"{name}_total" if kind == "counter" else name
+        out += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}", f"{sample}{{{label}}} {float(value)}"]
+    out += ["# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig",
+            "# TYPE vllm:cache_config_info gauge", f"vllm:cache_config_info{{{info}}} 1.0"]
+    return "\n".join(out) + "\n"
+
+
+async def metrics(request: web.Request) -> web.Response:
+    return web.Response(text=render_metrics(request.app[STATE]), content_type="text/plain")
+
+
+def make_app(engine: Engine, model_name: str, seed: int | None = None) -> web.Application:
+    """One simulated replica's aiohttp application."""
+    app = web.Application()
+    app[STATE] = ReplicaState(engine, model_name, random.Random(seed))
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    return app

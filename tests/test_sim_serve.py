@@ -1,0 +1,205 @@
+"""`sim serve`: simulated replicas speak OpenAI (official client), stream at the simulated pace, export vLLM
+metrics, and work behind the real gateway."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import aiohttp
+import openai
+import pytest
+from aiohttp.test_utils import TestServer
+from prometheus_client.parser import text_string_to_metric_families
+
+from sim.clock import LoopClock
+from sim.gpus import get_gpu
+from sim.model import load_model
+from sim.node import Node, NodeSpec
+from sim.server import make_app
+from tests.conftest import GatewayFactory
+
+NAME = "facebook/opt-125m"
+SimFactory = Callable[..., Awaitable[tuple[Node, list[str]]]]
+
+
+@pytest.fixture
+def sim_replicas(aiohttp_server: Any) -> SimFactory:
+    """Start N simulated replicas sharing one simulated GPU on the test's loop; returns the node and URLs."""
+    async def start(replicas: int = 1, model: str = "opt-125m", **spec: Any) -> tuple[Node, list[str]]:
+        node = Node(NodeSpec(load_model(model), get_gpu(spec.pop("gpu", "H100-80GB")), replicas, **spec),
+                    LoopClock(asyncio.get_running_loop()))
+        urls = []
+        for i, engine in enumerate(node.engines):
+            server: TestServer = await aiohttp_server(make_app(engine, load_model(model).name, seed=i))
+            urls.append(str(server.make_url("")).rstrip("/"))
+        return node, urls
+    return start
+
+
+async def test_openai_client_completions_and_chat(sim_replicas: SimFactory) -> None:
+    """Completions and chat, streaming or not, through the official client; ignore_eos gives max_tokens tokens."""
+    _, (url,) = await sim_replicas()
+    async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="none") as client:
+        models = await client.models.list()
+        assert [m.id for m in models.data] == [NAME]
+        done = await client.completions.create(model=NAME, prompt="hello world", max_tokens=7,
+                                               extra_body={"ignore_eos": True})
+        assert done.choices[0].text == " tok" * 7 and done.choices[0].finish_reason == "length"
+        assert done.usage is not None and done.usage.completion_tokens == 7 and done.usage.prompt_tokens == 3
+        stream = await client.completions.create(model=NAME, prompt=[1, 2, 3, 4, 5], max_tokens=12, stream=True,
+                                                 stream_options={"include_usage": True},
+                                                 extra_body={"ignore_eos": True})
+        chunks = [c async for c in stream]
+        texts = [c.choices[0].text for c in chunks if c.choices]
+        assert texts == [" tok"] * 12 and chunks[-1].usage is not None
+        assert chunks[-1].usage.prompt_tokens == 5 and chunks[-1].usage.completion_tokens == 12
+        chat = await client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}],
+                                                    max_tokens=4, stream=True, extra_body={"ignore_eos": True})
+        pieces = [c.choices[0].delta.content async for c in chat if c.choices and c.choices[0].delta.content]
+        assert pieces == [" tok"] * 4
+
+
+async def test_without_ignore_eos_requests_may_stop_early(sim_replicas: SimFactory) -> None:
+    """Without ignore_eos a simulated EOS ends some requests before max_tokens, with finish_reason stop."""
+    _, (url,) = await sim_replicas()
+    async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="none") as client:
+        results = await asyncio.gather(*(client.completions.create(model=NAME, prompt="x", max_tokens=400)
+                                         for _ in range(20)))
+    reasons = {r.choices[0].finish_reason for r in results}
+    assert "stop" in reasons
+    assert all(len(r.choices[0].text) == 4 * r.usage.completion_tokens for r in results if r.usage)
+
+
+async def test_errors_are_openai_shaped(sim_replicas: SimFactory) -> None:
+    """An unknown model is a 404, a too-long request a 400 naming the context length."""
+    _, (url,) = await sim_replicas()
+    async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0) as client:
+        with pytest.raises(openai.NotFoundError, match="does not exist"):
+            await client.completions.create(model="other", prompt="x", max_tokens=2)
+        with pytest.raises(openai.BadRequestError, match="maximum context length is 2048"):
+            await client.completions.create(model=NAME, prompt="x" * 4000, max_tokens=2000)
+
+
+async def test_tokens_stream_at_the_simulated_pace(sim_replicas: SimFactory) -> None:
+    """A lone 40-token request takes about 40 simulated steps of real time: not instant, not much slower."""
+    node, (url,) = await sim_replicas(model="opt-2.7b", gpu="L4", utilization=0.9)
+    step = node.steptime.host_s(1) + node.steptime.device_s(1, 1, 200, 200)
+    async with aiohttp.ClientSession() as session:
+        start = time.perf_counter()
+        async with session.post(url + "/v1/completions", json={"model": "facebook/opt-2.7b", "prompt": "x" * 400,
+                                                                "max_tokens": 40, "ignore_eos": True,
+                                                                "stream": True}) as resp:
+            arrivals = [time.perf_counter() async for line in resp.content if line.startswith(b"data: {")]
+    elapsed = time.perf_counter() - start
+    assert len(arrivals) == 40
+    assert 0.9 * 40 * step < elapsed < 3 * 40 * step + 0.5
+    gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
+    assert sorted(gaps)[len(gaps) // 2] == pytest.approx(step, rel=0.5)
+
+
+async def test_metrics_use_vllm_names_and_count(sim_replicas: SimFactory) -> None:
+    """/metrics parses as Prometheus text with vLLM's names; running, KV usage and blocks are reported."""
+    node, (url,) = await sim_replicas(max_num_seqs=4)
+    async with aiohttp.ClientSession() as session:
+        body = {"model": NAME, "prompt": "y" * 200, "max_tokens": 150, "ignore_eos": True}
+        tasks = [asyncio.create_task(session.post(url + "/v1/completions", json=body)) for _ in range(6)]
+        await asyncio.sleep(0.05)
+        async with session.get(url + "/metrics") as resp:
+            text = await resp.text()
+        for task in tasks:
+            (await task).release()
+    samples = {s.name: s for f in text_string_to_metric_families(text) for s in f.samples}
+    assert samples["vllm:num_requests_running"].value == 4
+    assert samples["vllm:num_requests_waiting"].value == 2
+    assert 0 < samples["vllm:kv_cache_usage_perc"].value < 1
+    assert samples["vllm:num_preemptions_total"].value == 0
+    info = samples["vllm:cache_config_info"].labels
+    assert int(info["num_gpu_blocks"]) == node.engine_config.num_gpu_blocks and info["block_size"] == "16"
+
+
+async def test_replicas_share_one_gpu(sim_replicas: SimFactory) -> None:
+    """Two replicas of one node report their device work on the same simulated GPU."""
+    node, urls = await sim_replicas(replicas=2)
+    assert node.engines[0].device is node.engines[1].device
+    async with aiohttp.ClientSession() as session:
+        body = {"model": NAME, "prompt": "hi", "max_tokens": 5, "ignore_eos": True}
+        for url in urls:
+            async with session.post(url + "/v1/completions", json=body) as resp:
+                assert resp.status == 200
+    assert node.device.busy_s > 0 and node.engines[0].finished_total == node.engines[1].finished_total == 1
+
+
+async def test_through_the_gateway(sim_replicas: SimFactory, gateway_for: GatewayFactory) -> None:
+    """The real gateway routes streaming requests over simulated replicas, using both."""
+    _, urls = await sim_replicas(replicas=2)
+    gw = await gateway_for(urls)
+    async with openai.AsyncOpenAI(base_url=gw.base_url, api_key="none") as client:
+        async def one() -> tuple[str, int]:
+            raw = await client.completions.with_raw_response.create(
+                model=NAME, prompt="hello", max_tokens=20, stream=True, extra_body={"ignore_eos": True})
+            texts = [c.choices[0].text async for c in raw.parse() if c.choices]
+            return raw.headers["x-gateway-replica"], len(texts)
+        results = await asyncio.gather(*(one() for _ in range(8)))
+    assert {count for _, count in results} == {20}
+    assert {replica for replica, _ in results} == set(urls)
+
+
+def _free_port_pair() -> int:
+    for _ in range(50):
+        with socket.socket() as a:
+            a.bind(("127.0.0.1", 0))
+            port = a.getsockname()[1]
+        if port < 65535:
+            with socket.socket() as b:
+                try:
+                    b.bind(("127.0.0.1", port + 1))
+                except OSError:
+                    continue
+            return int(port)
+    raise RuntimeError("no two free consecutive ports")
+
+
+async def test_sim_serve_command_serves_n_replicas_on_consecutive_ports() -> None:
+    """`sim serve --replicas 2 --port P` answers on P and P+1 and stops on SIGTERM."""
+    port = _free_port_pair()
+    proc = subprocess.Popen([sys.executable, "-m", "sim.cli", "serve", "--model", "opt-125m", "--gpu", "A100-40GB",
+                             "--replicas", "2", "--port", str(port), "--max-num-seqs", "64"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
+            for p in (port, port + 1):
+                deadline = time.monotonic() + 20
+                while True:
+                    assert proc.poll() is None, proc.stdout.read().decode() if proc.stdout else ""
+                    try:
+                        async with session.get(f"http://127.0.0.1:{p}/health") as resp:
+                            if resp.status == 200:
+                                break
+                    except aiohttp.ClientError:
+                        pass
+                    assert time.monotonic() < deadline, "sim serve did not become healthy"
+                    await asyncio.sleep(0.1)
+                async with session.get(f"http://127.0.0.1:{p}/metrics") as resp:
+                    assert 'max_num_seqs="64"' in await resp.text()
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        assert proc.wait(timeout=10) == 0
+        if proc.stdout:
+            proc.stdout.close()
+
+
+def test_bad_flags_are_named_without_a_traceback() -> None:
+    """A GPU too small for the model, or an unknown GPU, exits 2 with the reason on stderr."""
+    for args, message in ((["--model", "opt-2.7b", "--gpu", "L4", "--gpu-memory-utilization", "0.1"],
+                           "leave no room for a KV cache"), (["--model", "opt-125m", "--gpu", "V100"], "unknown GPU")):
+        proc = subprocess.run([sys.executable, "-m", "sim.cli", "serve", *args], capture_output=True, text=True,
+                              timeout=30)
+        assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr
