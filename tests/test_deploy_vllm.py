@@ -1,0 +1,247 @@
+"""End to end with REAL vLLM: `deploy up` with two CPU replicas of the tiny model behind the gateway.
+
+One `deploy up` for the whole module (starting vLLM is the slow part); the tests run in file order and the
+last one stops the deployment with SIGTERM.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from openai import OpenAI
+
+pytestmark = pytest.mark.vllm
+
+MODEL = "tiny-opt"
+STARTUP_S = 420.0
+
+
+@dataclass
+class Deployment:
+    proc: subprocess.Popen[bytes]
+    run_dir: Path
+    log: Path
+    url: str
+
+    def state(self) -> dict[str, Any]:
+        return json.loads((self.run_dir / "state.json").read_text())  # type: ignore[no-any-return]
+
+    def client(self) -> OpenAI:
+        return OpenAI(base_url=f"{self.url}/v1", api_key="none", max_retries=0, timeout=60)
+
+
+def port_free(port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_ports(n: int) -> int:
+    """A base port with n free consecutive ports after it."""
+    for _ in range(200):
+        base = random.randint(20000, 60000)
+        if all(port_free(base + i) for i in range(n)):
+            return base
+    raise RuntimeError("no free ports")
+
+
+def log_tail(path: Path, n: int = 40) -> str:
+    return "\n".join(path.read_text(errors="replace").splitlines()[-n:]) if path.exists() else ""
+
+
+def wait_for(predicate: Any, timeout_s: float, what: str, deployment: Deployment | None = None) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if deployment is not None and deployment.proc.poll() is not None:
+            pytest.fail(f"deploy up exited ({deployment.proc.returncode}) waiting for {what}:\n"
+                        f"{log_tail(deployment.log)}")
+        if predicate():
+            return
+        time.sleep(0.5)
+    pytest.fail(f"timed out after {timeout_s:g} s waiting for {what}" +
+                (f":\n{log_tail(deployment.log)}" if deployment else ""))
+
+
+def all_healthy(deployment: Deployment) -> bool:
+    try:
+        state = deployment.state()
+    except (OSError, json.JSONDecodeError):
+        return False
+    procs = [state["gateway"], *state["replicas"]] if state.get("gateway") else []
+    return bool(procs) and all(p["healthy"] and p["status"] == "running" for p in procs)
+
+
+def group_members(pgid: int) -> list[int]:
+    """Pids of the live processes in a process group (from /proc)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            pids.append(int(entry.name))
+    return pids
+
+
+def running_requests(replica_url: str) -> float:
+    text = urllib.request.urlopen(f"{replica_url}/metrics", timeout=5).read().decode()
+    values = re.findall(r"^vllm:num_requests_running\{[^}]*\} ([0-9.e+-]+)$", text, re.M)
+    assert values, "vllm:num_requests_running is missing from /metrics"
+    return sum(float(v) for v in values)
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
+    """`deploy up --model tiny --replicas 2` in its own session, healthy; torn down at the end in any case."""
+    run_dir = tmp_path_factory.mktemp("deploy-run")
+    base = free_ports(3)
+    log = run_dir / "deploy-up.log"
+    argv = [sys.executable, "-m", "deploy.cli", "up", "--model", "tiny", "--replicas", "2", "--port", str(base),
+            "--replica-port-base", str(base + 1), "--run-dir", str(run_dir), "--startup-timeout", "300",
+            "--host", "127.0.0.1"]
+    with log.open("wb") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                cwd=Path(__file__).resolve().parent.parent)
+    dep = Deployment(proc, run_dir, log, f"http://127.0.0.1:{base}")
+    try:
+        wait_for(lambda: all_healthy(dep), STARTUP_S, "two healthy replicas and the gateway", dep)
+        yield dep
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        # Belt and braces: nothing this module started may outlive it.
+        try:
+            pgids = [p["pid"] for p in [dep.state()["gateway"], *dep.state()["replicas"]] if p and p["pid"]]
+        except (OSError, json.JSONDecodeError, TypeError):
+            pgids = []
+        for pgid in pgids:
+            for pid in group_members(pgid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_completions_and_chat_streaming_and_not(deployment: Deployment) -> None:
+    """Completions and chat, streamed and not, through the gateway with the official openai client."""
+    with deployment.client() as client:
+        done = client.completions.create(model=MODEL, prompt="Hello there", max_tokens=8,
+                                         extra_body={"ignore_eos": True})
+        assert done.usage is not None and done.usage.completion_tokens == 8 and done.choices[0].text
+        chunks = list(client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=8, stream=True,
+                                                extra_body={"ignore_eos": True}))
+        assert len([c for c in chunks if c.choices and c.choices[0].text]) >= 2
+        chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                              max_tokens=8, extra_body={"ignore_eos": True})
+        assert chat.choices[0].message.content and chat.usage is not None and chat.usage.completion_tokens == 8
+        stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                                max_tokens=8, stream=True, extra_body={"ignore_eos": True})
+        text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+        assert text
+        assert [m.id for m in client.models.list()] == [MODEL]
+
+
+def test_both_replicas_serve(deployment: Deployment) -> None:
+    """Concurrent requests are spread over both replicas (the gateway names the one that answered)."""
+    replicas = {r["url"] for r in deployment.state()["replicas"]}
+    with deployment.client() as client:
+        def one(i: int) -> str:
+            raw = client.completions.with_raw_response.create(model=MODEL, prompt=f"count {i}", max_tokens=32,
+                                                              extra_body={"ignore_eos": True})
+            raw.parse()
+            return raw.headers["x-gateway-replica"]
+        with ThreadPoolExecutor(8) as pool:
+            served = set(pool.map(one, range(16)))
+    assert served == replicas
+
+
+def test_client_disconnect_mid_stream_aborts_the_request(deployment: Deployment) -> None:
+    """A client that hangs up mid-stream: vLLM's running-request gauge is back to 0 within two seconds."""
+    with deployment.client() as client:
+        with client.completions.with_streaming_response.create(
+                model=MODEL, prompt="Tell me everything", max_tokens=1500, stream=True,
+                extra_body={"ignore_eos": True}) as response:
+            replica = response.headers["x-gateway-replica"]
+            lines = response.iter_lines()
+            got = [line for line, _ in zip(lines, range(6)) if line]
+            assert got and got[0].startswith("data: ")
+            assert running_requests(replica) >= 1  # 1500 tokens: seconds more of work were left
+        hung_up = time.monotonic()
+    wait_for(lambda: running_requests(replica) == 0, 2.0, "vllm:num_requests_running to return to 0")
+    assert time.monotonic() - hung_up < 2.5
+
+
+def test_killed_replica_is_routed_around_restarted_and_taken_back(deployment: Deployment) -> None:
+    """SIGKILL one replica's group: every later request succeeds; it is restarted and the gateway uses it again."""
+    victim = deployment.state()["replicas"][0]
+    os.killpg(victim["pid"], signal.SIGKILL)
+    with deployment.client() as client:
+        for i in range(10):
+            done = client.completions.create(model=MODEL, prompt=f"after the kill {i}", max_tokens=4)
+            assert done.choices[0].text is not None
+        stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "still there?"}],
+                                                max_tokens=4, stream=True)
+        assert [c for c in stream]
+
+        def restarted() -> bool:
+            r0 = deployment.state()["replicas"][0]
+            return bool(r0["restarts"] >= 1 and r0["healthy"] and r0["status"] == "running")
+        wait_for(restarted, 300, "the killed replica to be restarted and healthy", deployment)
+        assert deployment.state()["replicas"][0]["pid"] != victim["pid"]
+
+        def taken_back() -> bool:
+            ready = json.loads(urllib.request.urlopen(f"{deployment.url}/ready", timeout=5).read())
+            return victim["url"] in ready["healthy_replicas"]
+        wait_for(taken_back, 30, "the gateway to take the replica back", deployment)
+
+        def one(i: int) -> str:
+            raw = client.completions.with_raw_response.create(model=MODEL, prompt=f"back {i}", max_tokens=32,
+                                                              extra_body={"ignore_eos": True})
+            raw.parse()
+            return raw.headers["x-gateway-replica"]
+        with ThreadPoolExecutor(8) as pool:
+            assert victim["url"] in set(pool.map(one, range(16)))
+
+
+def test_sigterm_stops_every_process_and_frees_the_ports(deployment: Deployment) -> None:
+    """SIGTERM to `deploy up`: it exits 0, no vLLM or gateway process is left, every port is free again."""
+    state = deployment.state()
+    procs = [state["gateway"], *state["replicas"]]
+    pgids = [p["pid"] for p in procs]
+    members = {pid for pgid in pgids for pid in group_members(pgid)}
+    assert len(members) >= 2 * len(state["replicas"]) + 1  # vLLM runs an API server and an engine core per replica
+    deployment.proc.send_signal(signal.SIGTERM)
+    assert deployment.proc.wait(90) == 0, log_tail(deployment.log)
+    assert [pgid for pgid in pgids if group_members(pgid)] == []
+    alive = [pid for pid in members if Path(f"/proc/{pid}").exists()
+             and Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"]
+    assert alive == []
+    ports = [int(p["url"].rsplit(":", 1)[1]) for p in procs]
+    assert all(port_free(port) for port in ports)
+    final = deployment.state()
+    assert final["stopped"] is True and not any(r["healthy"] for r in final["replicas"])
