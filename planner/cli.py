@@ -18,6 +18,7 @@ from deploy.process import ProcessError
 from planner.choice import BcaConfig, ChoiceConfig, Slo
 from planner.client import Timeouts
 from planner.errors import PlannerError, RunError
+from planner.points import Profile
 from planner.setup import WorkloadOptions
 
 logger = logging.getLogger(__name__)
@@ -65,9 +66,7 @@ def _run_plan(args: argparse.Namespace) -> int:
     from planner.sources import load_profile
 
     config = PlanConfig(
-        choice=ChoiceConfig(epsilon=args.epsilon, slo=Slo(p99_tpot_ms=args.slo_p99_tpot_ms,
-                                                          p99_ttft_ms=args.slo_p99_ttft_ms,
-                                                          p99_itl_ms=args.slo_p99_itl_ms)),
+        choice=_choice_config(args),
         bca=BcaConfig(min_efficiency=args.bca_efficiency, latency_factor=args.bca_latency_factor),
         model=args.model, device=args.device, gpu_memory_gib=args.gpu_memory_gib,
         usable_fraction=args.usable_fraction, weights_gib=args.weights_gib,
@@ -87,9 +86,43 @@ def _run_plan(args: argparse.Namespace) -> int:
         print(f"warning: {warning}")
     print(f"wrote {args.out}")
     if args.plots is not None:
-        from planner.plots import plot_profile
-        for path in plot_profile(profile, args.plots, plan):
-            print(f"wrote {path}")
+        _draw(profile, args.plots, config.choice, config.bca)
+    return 0
+
+
+def _draw(profile: Profile, directory: Path, choice: ChoiceConfig, bca: BcaConfig) -> None:
+    from planner.choice import bca_choice, choose_batch
+    from planner.plots import plot_profile
+
+    for path in plot_profile(profile, directory, choose_batch(profile.points, choice), bca_choice(profile.points, bca)):
+        print(f"wrote {path}")
+
+
+def _plot_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("plot", help="draw a profile's pictures (frontier with B*, GPU) without planning",
+                       description="Draw frontier.png (and gpu.png when measured) for a profile or a CSV.")
+    p.add_argument("--profile", required=True, type=Path, help="directory from `planner profile`, or a CSV")
+    p.add_argument("--out", type=Path, default=Path("."), help="directory for the PNG files (default .)")
+    p.add_argument("--epsilon", type=float, default=0.05, help="B* is within this of the best (default 0.05)")
+    p.add_argument("--slo-p99-tpot-ms", type=float)
+    p.add_argument("--slo-p99-ttft-ms", type=float)
+    p.add_argument("--slo-p99-itl-ms", type=float)
+    p.add_argument("--bca-efficiency", type=float, default=0.1)
+    p.add_argument("--bca-latency-factor", type=float, default=3.0)
+    p.set_defaults(run=_run_plot)
+
+
+def _choice_config(args: argparse.Namespace) -> ChoiceConfig:
+    return ChoiceConfig(epsilon=args.epsilon, slo=Slo(p99_tpot_ms=args.slo_p99_tpot_ms,
+                                                      p99_ttft_ms=args.slo_p99_ttft_ms,
+                                                      p99_itl_ms=args.slo_p99_itl_ms))
+
+
+def _run_plot(args: argparse.Namespace) -> int:
+    from planner.sources import load_profile
+
+    bca = BcaConfig(min_efficiency=args.bca_efficiency, latency_factor=args.bca_latency_factor)
+    _draw(load_profile(args.profile), args.out, _choice_config(args), bca)
     return 0
 
 
@@ -103,10 +136,13 @@ def _batch_sizes(text: str) -> tuple[int, ...]:
     return sizes
 
 
-def _add_workload_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--num-requests", type=int, help="requests per point (default: 4 x B, at least 32)")
-    p.add_argument("--input-tokens", type=int, default=512, help="fixed workload: prompt tokens (512)")
-    p.add_argument("--output-tokens", type=int, default=256, help="fixed workload: output tokens (256)")
+def _add_workload_flags(p: argparse.ArgumentParser, defaults: tuple[int, int] | None = (512, 256)) -> None:
+    """Workload flags; validate passes no defaults, so that the plan's recorded workload applies."""
+    p.add_argument("--num-requests", type=int, help="requests per run (default: 4 x the concurrency, at least 32)")
+    p.add_argument("--input-tokens", type=int, default=defaults and defaults[0],
+                   help="fixed workload: prompt tokens (default 512; validate: the profile's)")
+    p.add_argument("--output-tokens", type=int, default=defaults and defaults[1],
+                   help="fixed workload: output tokens (default 256; validate: the profile's)")
     p.add_argument("--dataset", help="a ShareGPT JSON file or a JSONL of prompts instead of fixed lengths")
     p.add_argument("--dataset-format", choices=("sharegpt", "jsonl"), help="default: by the file's extension")
     p.add_argument("--tokenizer", help="tokenizer.json (or its directory) to build exact-length prompts")
@@ -164,6 +200,58 @@ def _run_profile(args: argparse.Namespace) -> int:
     return 0
 
 
+def _validate_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("validate", help="deploy 1..N replicas of a plan, measure each through the gateway, "
+                                        "keep the best, write the comparison into the plan",
+                       description="Deploy 1, 2, ... N replicas (`deploy up --plan`), drive the plan's workload "
+                                   "through the gateway, and keep the best replica count.")
+    p.add_argument("--plan", type=Path, required=True, help="a plan written by `planner plan`")
+    p.add_argument("--out", type=Path, help="where to write the validated plan (default: over --plan)")
+    p.add_argument("--counts", type=_batch_sizes, help="replica counts to try (default 1..the plan's N)")
+    p.add_argument("--min-gain", type=float, default=0.05,
+                   help="keep the fewest replicas within this of the best throughput (0.05)")
+    p.add_argument("--run-dir", type=Path, help="deploy run directories and logs (default: beside the plan)")
+    p.add_argument("--startup-timeout", type=float, default=900.0, help="seconds a replica may take to start")
+    p.add_argument("--warmup", type=int, default=2, help="warm-up requests before each count (2)")
+    p.add_argument("--plots", type=Path, help="draw throughput and latency against replica count here")
+    _add_workload_flags(p, defaults=None)
+    p.set_defaults(run=_run_validate)
+
+
+def _run_validate(args: argparse.Namespace) -> int:
+    from deploy.plan import load
+    from planner.setup import build_workload
+    from planner.validate import SubprocessDeployer, ValidateConfig, Validator, write_validated
+
+    plan = load(args.plan)
+    config = ValidateConfig(counts=args.counts or tuple(range(1, len(plan.replicas) + 1)),
+                            num_requests=args.num_requests, min_gain=args.min_gain, warmup_requests=args.warmup,
+                            timeouts=Timeouts(request_s=args.request_timeout))
+    workload = build_workload(_validate_workload(args, plan.reasoning.get("workload") or {}), plan.model)
+    run_dir = args.run_dir or args.plan.resolve().parent / "validate-run"
+    deployer = SubprocessDeployer(run_dir=run_dir, startup_timeout_s=args.startup_timeout)
+    validated, results = Validator(plan, config, deployer, workload).run()
+    out = args.out or args.plan
+    write_validated(validated, out)
+    best = validated.validation["best_replicas"]
+    print(f"best: {best} replica(s) of {len(plan.replicas)} planned; wrote {out}")
+    if args.plots is not None:
+        from planner.plots import plot_replicas
+        print(f"wrote {plot_replicas(results, best, args.plots / 'replicas.png')}")
+    return 0
+
+
+def _validate_workload(args: argparse.Namespace, planned: dict[str, object]) -> WorkloadOptions:
+    """Flags win; else the workload the profile used (the plan records it); else the papers' 512/256."""
+    dataset = args.dataset or (planned.get("source") if planned.get("kind") in ("sharegpt", "jsonl") else None)
+    fixed = planned.get("kind") == "fixed"
+    return WorkloadOptions(
+        input_tokens=args.input_tokens or (int(str(planned["input_tokens"])) if fixed else 512),
+        output_tokens=args.output_tokens or (int(str(planned["output_tokens"])) if fixed else 256),
+        dataset=str(dataset) if dataset else None, dataset_format=args.dataset_format, tokenizer=args.tokenizer,
+        ignore_eos=not args.no_ignore_eos)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="planner", description="Profile one vLLM instance, plan replicas on "
                                      "one device, and validate the plan.")
@@ -174,7 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-_PARSERS: list[Callable[[argparse._SubParsersAction], None]] = [_profile_parser, _plan_parser]  # type: ignore[type-arg]
+_PARSERS: list[Callable[[argparse._SubParsersAction], None]] = [_profile_parser, _plan_parser, _validate_parser, _plot_parser]  # type: ignore[type-arg]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

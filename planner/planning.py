@@ -7,7 +7,7 @@ Pure apart from reading a local model directory for facts the profile lacks. Eve
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from deploy.plan import Admission, GatewaySpec, Plan, PlanError, ReplicaSpec
@@ -243,6 +243,7 @@ def _reasoning(profile: Profile, choice: Choice, bca: Any, memory: ReplicaMemory
         "summary": summary,
         "warnings": plan_warnings(profile, choice),
         "profile": profile.context.source,
+        "workload": asdict(profile.context.workload),
         "device": device,
         "batch": {
             "b_star": choice.batch_size,
