@@ -108,7 +108,11 @@ def cmd_run(config: LoadConfig, out: Path, dry_run: bool) -> int:
 
 
 def cmd_compare(config: LoadConfig, targets: dict[str, tuple[str, ...]], out: Path, dry_run: bool) -> int:
-    runs = {name: replace(config, hosts=hosts, out_dir=str(out / name)) for name, hosts in targets.items()}
+    # Same schedule and lengths everywhere, other prompt text per target: targets that share replicas must not
+    # find each other's prompts in the prefix cache.
+    runs = {name: replace(config, hosts=hosts, out_dir=str(out / name),
+                          workload=replace(config.workload, prompt_salt=config.workload.prompt_salt + i))
+            for i, (name, hosts) in enumerate(targets.items())}
     if dry_run:
         for name, each in runs.items():
             print(f"{name}: {_describe(each, out / name)}")

@@ -100,6 +100,8 @@ def add_arguments(parser: Any) -> None:
     add("--long", default="2048:512", help="mix: input:output tokens of a long request")
     add("--long-fraction", default="0.2", help="mix: share of long requests")
     add("--tokenizer", default="", help="the model's tokenizer.json (or its directory): exact prompt lengths")
+    add("--prompt-salt", default="0", help="other prompt text with the same lengths and schedule (no prefix-cache "
+                                           "hits from an earlier run); compare sets one per target")
     add("--ignore-eos", default="true", choices=["true", "false"], help="ask vLLM for exactly max_tokens")
     add("--connect-timeout", default="10", help="seconds to connect")
     add("--read-timeout", default="600", help="seconds to wait for any byte, the first token included")
@@ -172,7 +174,7 @@ def config_from_options(opts: Any, hosts: tuple[str, ...], out_dir: str | None) 
         sharegpt_output_len=_optional("sharegpt output len", opts.sharegpt_output_len, int),
         short=_lengths("short", opts.short), long=_lengths("long", opts.long),
         long_fraction=_number("long fraction", opts.long_fraction, float), tokenizer=_text(opts.tokenizer) or None,
-        seed=seed,
+        prompt_salt=_number("prompt salt", opts.prompt_salt, int), seed=seed,
     )
     return LoadConfig(
         hosts=hosts, model=_text(opts.model), endpoint=_text(opts.endpoint), mode=mode,
@@ -204,7 +206,7 @@ def to_argv(config: LoadConfig) -> list[str]:
         "--dataset": w.dataset or "",
         "--sharegpt-output-len": "" if w.sharegpt_output_len is None else str(w.sharegpt_output_len),
         "--short": "%d:%d" % w.short, "--long": "%d:%d" % w.long, "--long-fraction": repr(w.long_fraction),
-        "--tokenizer": w.tokenizer or "",
+        "--tokenizer": w.tokenizer or "", "--prompt-salt": str(w.prompt_salt),
         "--ignore-eos": "true" if config.ignore_eos else "false",
         "--connect-timeout": repr(config.connect_timeout), "--read-timeout": repr(config.read_timeout),
         "--drain-timeout": repr(config.drain_timeout), "--max-connections": str(config.max_connections),

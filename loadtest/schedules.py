@@ -37,6 +37,8 @@ class ArrivalSpec:
             raise ValueError(f"duration {self.duration!r} must be > 0 seconds")
         if not self.burstiness > 0:
             raise ValueError(f"burstiness {self.burstiness!r} must be > 0")
+        if self.seed < 0:
+            raise ValueError(f"seed {self.seed!r} must be >= 0")
         if self.kind == "poisson" and self.burstiness != 1.0:
             raise ValueError(f"burstiness {self.burstiness!r} needs --arrival gamma (poisson is burstiness 1)")
         if self.kind in ("poisson", "gamma") and not self.rate > 0:

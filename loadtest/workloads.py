@@ -57,6 +57,7 @@ class WorkloadSpec:
     long: tuple[int, int] = (2048, 512)  # mix: (input, output) of a long request
     long_fraction: float = 0.2
     tokenizer: str | None = None  # tokenizer.json, or a model directory holding one
+    prompt_salt: int = 0  # other prompt text, same lengths: no prefix-cache hits from an earlier run
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -75,6 +76,8 @@ class WorkloadSpec:
             raise ValueError(f"short {self.short!r} and long {self.long!r} lengths must be >= 1 token")
         if self.kind == "sharegpt" and not self.dataset:
             raise ValueError("workload 'sharegpt' needs a dataset file (--dataset PATH)")
+        if self.seed < 0 or self.prompt_salt < 0:
+            raise ValueError(f"seed {self.seed!r} and prompt salt {self.prompt_salt!r} must be >= 0")
         if self.sharegpt_output_len is not None and self.sharegpt_output_len < 1:
             raise ValueError(f"sharegpt output len {self.sharegpt_output_len!r} must be >= 1 token")
 
@@ -160,10 +163,10 @@ class Synthetic:
         return s.input_len, s.output_len
 
     def request(self, index: int) -> RequestSpec:
-        rng = _rng(self.spec.seed, index)
-        n_in, n_out = self.lengths(rng)
+        n_in, n_out = self.lengths(_rng(self.spec.seed, index))
+        words = np.random.default_rng([self.spec.seed, index, self.spec.prompt_salt, 1])
         # Every word is at least one token, so n_in words hold at least n_in tokens to cut from.
-        prompt = self.tokens.fit(synthetic_prompt(rng, n_in), n_in)
+        prompt = self.tokens.fit(synthetic_prompt(words, n_in), n_in)
         return RequestSpec(index, prompt, n_in, n_out)
 
 
@@ -179,17 +182,21 @@ class ShareGpt:
     pairs: tuple[tuple[str, int, int], ...]  # (first human turn, its tokens, the reply's tokens)
     order: tuple[int, ...]
     output_len: int | None
+    salt: int = 0
 
     @classmethod
-    def load(cls, path: str, seed: int, output_len: int | None = None, tokens: Tokens | None = None) -> ShareGpt:
+    def load(cls, path: str, seed: int, output_len: int | None = None, tokens: Tokens | None = None,
+             salt: int = 0) -> ShareGpt:
         pairs = tuple(parse_sharegpt(_read_json(path), tokens or EstimatedTokens()))
         if not pairs:
             raise ValueError(f"dataset {path!r} has no conversation that starts with a human turn and a reply")
         order = tuple(int(i) for i in np.random.default_rng(seed).permutation(len(pairs)))
-        return cls(pairs, order, output_len)
+        return cls(pairs, order, output_len, salt)
 
     def request(self, index: int) -> RequestSpec:
         prompt, prompt_tokens, reply_tokens = self.pairs[self.order[index % len(self.order)]]
+        if self.salt:
+            prompt = f"({self.salt}) {prompt}"  # a different first token: no prefix-cache hits; a few tokens more
         return RequestSpec(index, prompt, prompt_tokens, self.output_len or reply_tokens)
 
 
@@ -227,5 +234,5 @@ def build_workload(spec: WorkloadSpec) -> Workload:
     tokens = TokenizerTokens.load(spec.tokenizer) if spec.tokenizer else EstimatedTokens()
     if spec.kind == "sharegpt":
         assert spec.dataset is not None  # checked by WorkloadSpec
-        return ShareGpt.load(spec.dataset, spec.seed, spec.sharegpt_output_len, tokens)
+        return ShareGpt.load(spec.dataset, spec.seed, spec.sharegpt_output_len, tokens, spec.prompt_salt)
     return Synthetic(spec, tokens)

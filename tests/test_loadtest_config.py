@@ -14,7 +14,7 @@ import pytest
 from loadtest.cli import main, parse_targets
 from loadtest.config import LoadConfig, config_from_dict, config_from_options, make_parser, split_hosts, to_argv
 from loadtest.runner import LOCUSTFILE, locust_command
-from loadtest.schedules import ArrivalSpec
+from loadtest.schedules import ArrivalSpec, poisson
 from loadtest.workloads import WorkloadSpec
 
 REPO = Path(__file__).resolve().parents[1]
@@ -38,6 +38,7 @@ def test_options_round_trip_through_to_argv() -> None:
                             steps=((0.0, 1.0), (10.0, 4.5)), seed=11),
         workload=WorkloadSpec(kind="mix", input_len=100, output_len=20, range_ratio=0.3, sigma=0.9,
                               sharegpt_output_len=12, short=(10, 2), long=(300, 40), long_fraction=0.4, tokenizer="/t",
+                              prompt_salt=3,
                               seed=11),
     )
     assert _parse(to_argv(config)) == config
@@ -120,6 +121,20 @@ def test_cli_dry_run_prints_the_schedule_and_command(capsys: pytest.CaptureFixtu
     assert exit_info.value.code == 0
     assert out.startswith("10 requests over 30 s (burst)") and "-m locust" in out
     assert not any(tmp_path.iterdir())
+
+
+def test_compare_keeps_the_schedule_and_salts_the_prompts_per_target(capsys: pytest.CaptureFixture[str],
+                                                                    tmp_path: Path) -> None:
+    """compare runs each target with the same options but its own prompt salt (no shared prefix-cache hits)."""
+    with pytest.raises(SystemExit):
+        main(["compare", "--target", "gw=http://g:1", "--target", "rr=http://a:1,http://b:2", "--model", "m",
+              "--rate", "2", "--duration", "10", "--seed", "4", "--out", str(tmp_path), "--dry-run"])
+    lines = capsys.readouterr().out.splitlines()
+    commands = [line for line in lines if "-m locust" in line]
+    n = len(poisson(2.0, 10.0, seed=4))
+    assert lines[0].startswith(f"gw: {n} requests over 10 s") and lines[2].startswith(f"rr: {n} requests over 10 s")
+    assert ["--prompt-salt=0" in commands[0], "--prompt-salt=1" in commands[1]] == [True, True]
+    assert "--hosts http://a:1,http://b:2" in commands[1] and "--seed=4" in commands[1]
 
 
 def test_the_cli_and_report_modules_do_not_import_locust_or_gevent() -> None:

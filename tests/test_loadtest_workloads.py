@@ -36,6 +36,17 @@ def test_requests_are_seeded_and_random_access() -> None:
     assert a.request(17) != c.request(17)
 
 
+def test_prompt_salt_changes_the_text_but_not_the_lengths(tmp_path: Path) -> None:
+    """Another salt gives other prompt text with the same lengths (synthetic), or a distinct prefix (ShareGPT)."""
+    plain = _draw(WorkloadSpec(kind="lognormal", seed=5), 50)
+    salted = _draw(WorkloadSpec(kind="lognormal", seed=5, prompt_salt=2), 50)
+    assert [(r.prompt_tokens, r.max_tokens) for r in plain] == [(r.prompt_tokens, r.max_tokens) for r in salted]
+    assert all(a.prompt.split()[:3] != b.prompt.split()[:3] for a, b in zip(plain, salted))
+    path = tmp_path / "sharegpt.json"
+    path.write_text(json.dumps([{"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Yo"}]}]))
+    assert build_workload(WorkloadSpec(kind="sharegpt", dataset=str(path), prompt_salt=3)).request(0).prompt == "(3) Hi"
+
+
 def test_uniform_lengths_cover_the_range_around_the_mean() -> None:
     """Uniform lengths lie in [len*(1-r), len*(1+r)] and average len."""
     requests = _draw(WorkloadSpec(kind="uniform", input_len=200, output_len=100, range_ratio=0.5))
@@ -112,6 +123,7 @@ def test_estimate_tokens_is_about_four_characters_each() -> None:
     ({"long_fraction": 1.5}, "long fraction 1.5"),
     ({"kind": "sharegpt"}, "needs a dataset"),
     ({"short": (0, 5)}, "lengths must be >= 1"),
+    ({"prompt_salt": -1}, "prompt salt -1"),
 ])
 def test_bad_workload_specs_name_the_bad_value(kwargs: dict, message: str) -> None:
     """Invalid workload parameters are refused with the value in the message."""
