@@ -49,13 +49,31 @@ class VirtualClock:
 
 
 class LoopClock:
-    """An asyncio loop's clock (real time under a normal loop, virtual under `vloop.VirtualTimeLoop`)."""
+    """An asyncio loop's clock (real time under a normal loop, virtual under `vloop.VirtualTimeLoop`).
+
+    Inside a callback it scheduled, `now()` is the time the callback was due, not when the loop got to it: event
+    loops wake timers up to a millisecond late (epoll and libuv count in milliseconds), and steps of a few
+    milliseconds would otherwise drift by that much each. The simulated timeline stays exact; delivery is late
+    by at most the loop's lag, which `max_lag_s` records.
+    """
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
+        self._due: float | None = None
+        self.max_lag_s = 0.0
 
     def now(self) -> float:
-        return self._loop.time()
+        return self._due if self._due is not None else self._loop.time()
 
     def call_at(self, when: float, callback: Callable[..., Any], *args: Any) -> None:
-        self._loop.call_at(when, callback, *args)
+        self._loop.call_at(when, self._run, when, callback, args)
+
+    def _run(self, when: float, callback: Callable[..., Any], args: tuple[Any, ...]) -> None:
+        lag = self._loop.time() - when
+        if lag > self.max_lag_s:
+            self.max_lag_s = lag
+        self._due = when
+        try:
+            callback(*args)
+        finally:
+            self._due = None
