@@ -64,7 +64,7 @@ class Dispatcher:
             request = workload.request(index)  # built while waiting, not after the due time
             gevent.sleep(max(at - self._sender.now(), 0.0))  # sleep(0) still lets the greenlets due run first
             self._group.spawn(self._one, request, float(at))
-        drained = self._drain()
+        drained = self._drain(self._drain_timeout)
         return DispatchResult(len(times), self._sent, drained, self._max_in_flight)
 
     def closed_loop(self, workload: Workload, concurrency: int, num_requests: int | None,
@@ -80,20 +80,18 @@ class Dispatcher:
 
         for _ in range(concurrency):
             self._group.spawn(worker)
-        drained = self._group.join(timeout=None if math.isinf(duration) else duration + self._drain_timeout)
-        if not drained:
-            self._group.kill(block=True, timeout=KILL_TIMEOUT_S)
-        return DispatchResult(self._sent, self._sent, bool(drained), self._max_in_flight)
+        drained = self._drain(None if math.isinf(duration) else duration + self._drain_timeout)
+        return DispatchResult(self._sent, self._sent, drained, self._max_in_flight)
 
     def stop(self) -> None:
         """Cancel what is in flight (each cancelled request is still recorded)."""
         self._group.kill(block=True, timeout=KILL_TIMEOUT_S)
 
-    def _drain(self) -> bool:
-        if self._group.join(timeout=self._drain_timeout):
+    def _drain(self, timeout: float | None) -> bool:
+        """Wait for what is in flight; past `timeout` seconds cancel it. Whether all finished in time."""
+        if self._group.join(timeout=timeout):
             return True
-        logger.warning("%d requests still in flight %.0f s after the last send; cancelling them",
-                       len(self._group), self._drain_timeout)
+        logger.warning("%d requests still in flight after the drain timeout; cancelling them", len(self._group))
         self._group.kill(block=True, timeout=KILL_TIMEOUT_S)
         return False
 

@@ -72,12 +72,12 @@ class LocustReporter:
             for gap in record.itl_s:
                 self._event("ITL", gap, 0, url)
         if record.lag_s is not None:
-            self._fire(request_type="LAG", name="schedule", response_time=record.lag_s * 1000, response_length=0,
-                       exception=None, context={}, url=url)
+            self._event("LAG", record.lag_s, 0, url, name="schedule")
 
-    def _event(self, kind: str, seconds: float, length: int, url: str, exception: Exception | None = None) -> None:
-        self._fire(request_type=kind, name=self._name, response_time=seconds * 1000, response_length=length,
-                   exception=exception, context={}, url=url)
+    def _event(self, kind: str, seconds: float, length: int, url: str, exception: Exception | None = None,
+               name: str | None = None) -> None:
+        self._fire(request_type=kind, name=name or self._name, response_time=seconds * 1000,
+                   response_length=length, exception=exception, context={}, url=url)
 
 
 class LLMUser(User):
