@@ -119,16 +119,18 @@ def test_open_loop_rate_holds_while_responses_are_slow(gateway: str, slow_replic
     arrivals = np.sort(np.concatenate([s["arrivals"] for s in stats]))
 
     assert len(arrivals) == len(schedule) and 80 <= len(schedule) <= 120
+    # Each request reaches a replica at its scheduled offset (bounds loose enough for a busy CI machine; a
+    # closed loop would fall seconds behind here), so the sends span the schedule, not the schedule plus ~2 s.
     drift = (arrivals - arrivals[0]) - (schedule - schedule[0])
-    assert np.median(np.abs(drift)) < 0.05 and np.max(np.abs(drift)) < 0.3
-    assert arrivals[-1] - arrivals[0] < DURATION  # not stretched by ~2 s responses, as a closed loop would be
+    assert np.median(np.abs(drift)) < 0.1 and np.max(np.abs(drift)) < 0.5
+    assert arrivals[-1] - arrivals[0] == pytest.approx(schedule[-1] - schedule[0], abs=0.5)
     assert sum(s["max_running"] for s in stats) >= 30
     assert all(len(s["arrivals"]) >= len(schedule) // 4 for s in stats)  # the gateway used both
 
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert (summary["completed"], summary["failed"], summary["not_sent"]) == (len(schedule), 0, 0)
     assert summary["achieved_rate"] == pytest.approx(summary["offered_rate"], rel=0.02)
-    assert summary["schedule_lag_p99_ms"] < 100
+    assert summary["schedule_lag_p99_ms"] < 300
     assert summary["max_in_flight"] >= 30
     assert 450 <= summary["mean_ttft_ms"] <= 900 and 1900 <= summary["mean_e2el_ms"] <= 2800
     assert summary["mean_itl_ms"] == pytest.approx(ITL_S * 1000, rel=0.3)
