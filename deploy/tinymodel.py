@@ -22,9 +22,8 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}assistant:{% endif %}"
 )
-# The architecture vLLM's CPU kernels accept (head dim 64: 256 / 4).
-ARCH = {"hidden_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4, "ffn_dim": 1024,
-        "max_position_embeddings": 2048, "word_embed_proj_dim": 256}
+# The architecture vLLM's CPU kernels accept: head dim 64 (256 / 4); 16 is rejected.
+HIDDEN, LAYERS, HEADS, FFN, MAX_POSITIONS = 256, 2, 4, 1024, 2048
 VOCAB_SIZE = 1000
 SPECIAL_TOKENS = ["<pad>", "</s>", "<unk>"]
 _CORPUS = [
@@ -83,14 +82,18 @@ def _make(path: Path, seed: int) -> None:
 
     bpe = ByteLevelBPETokenizer()
     numbers = [" ".join(str(n) for n in range(k, k + 40)) for k in range(0, 2000, 40)]
-    bpe.train_from_iterator(_CORPUS * 4 + numbers, vocab_size=VOCAB_SIZE, min_frequency=1, special_tokens=SPECIAL_TOKENS)
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, bos_token="</s>", eos_token="</s>",
-                                        pad_token="<pad>", unk_token="<unk>", model_max_length=ARCH["max_position_embeddings"])
+    bpe.train_from_iterator(_CORPUS * 4 + numbers, vocab_size=VOCAB_SIZE, min_frequency=1,
+                            special_tokens=SPECIAL_TOKENS)
+    tokenizer = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
+        tokenizer_object=bpe._tokenizer, bos_token="</s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>",
+        model_max_length=MAX_POSITIONS)
     tokenizer.chat_template = CHAT_TEMPLATE
     vocab = len(tokenizer)
-    config = OPTConfig(vocab_size=vocab, pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
-                       eos_token_id=tokenizer.eos_token_id, torch_dtype="float32", **ARCH)
+    config = OPTConfig(vocab_size=vocab, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                       ffn_dim=FFN, max_position_embeddings=MAX_POSITIONS, word_embed_proj_dim=HIDDEN,
+                       pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+                       eos_token_id=tokenizer.eos_token_id, dtype="float32")
     torch.manual_seed(seed)
-    model = OPTForCausalLM(config)
+    model = OPTForCausalLM(config)  # type: ignore[no-untyped-call]
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
