@@ -95,13 +95,13 @@ def over_time(records: Sequence[RequestRecord], path: Path, schedule: Sequence[f
 
 def per_replica(runs: Mapping[str, Sequence[RequestRecord]], path: Path) -> Path:
     """Requests per replica (the gateway's x-gateway-replica header, else the host sent to)."""
-    labels = sorted({f"{name}: {r.replica or r.target}" if len(runs) > 1 else (r.replica or r.target)
-                     for name, records in runs.items() for r in records})
     ok: Counter[str] = Counter()
     bad: Counter[str] = Counter()
+    labels: dict[str, None] = {}  # runs in their order, replicas sorted within each
     for name, records in runs.items():
-        for r in records:
+        for r in sorted(records, key=lambda r: r.replica or r.target):
             label = f"{name}: {r.replica or r.target}" if len(runs) > 1 else (r.replica or r.target)
+            labels.setdefault(label)
             (ok if r.ok else bad)[label] += 1
     fig, ax = plt.subplots(figsize=(9, 1.6 + 0.45 * max(len(labels), 1)), layout="constrained")
     y = np.arange(len(labels))
@@ -113,7 +113,7 @@ def per_replica(runs: Mapping[str, Sequence[RequestRecord]], path: Path) -> Path
                     textcoords="offset points", fontsize=8)
     ax.set_yticks(y, labels, fontsize=8)
     ax.set_ylim(len(labels) - 0.5, -0.5)
-    ax.margins(x=0.08)
+    ax.set_xlim(0, 1.1 * max([ok[label] + bad[label] for label in labels], default=1))
     ax.set_xlabel("requests")
     ax.set_title("Requests per replica (gateway's x-gateway-replica header, else the host sent to)", fontsize=10)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
