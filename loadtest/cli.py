@@ -69,37 +69,46 @@ def parse_targets(values: Sequence[str]) -> dict[str, tuple[str, ...]]:
     return targets
 
 
-def run_info(config: LoadConfig) -> RunInfo:
-    """What the report needs to know about the schedule `config` describes."""
-    if config.mode == "closed":
+def schedule_of(config: LoadConfig) -> list[float] | None:
+    """The open-loop send times `config` describes; None in closed loop."""
+    return build_schedule(config.arrival).tolist() if config.mode == "open" else None
+
+
+def run_info(config: LoadConfig, schedule: list[float] | None) -> RunInfo:
+    """What the report needs to know about the run besides its records."""
+    if schedule is None:
         return RunInfo("closed", config.arrival.duration)
-    return RunInfo("open", config.arrival.duration, scheduled=len(build_schedule(config.arrival)),
+    return RunInfo("open", config.arrival.duration, scheduled=len(schedule),
                    bursts_s=tuple(bursts_of(config.arrival)), burst_period_s=config.arrival.burst_period)
 
 
 def report_run(config: LoadConfig, records: list[RequestRecord], out: Path) -> dict[str, Any]:
     """Write summary.json and the plots of one run; return the summary."""
-    info = run_info(config)
+    schedule = schedule_of(config)
+    info = run_info(config, schedule)
     summary = summarize(records, info)
     (out / SUMMARY_FILE).write_text(json.dumps({**summary, "config": asdict(config)}, indent=2) + "\n",
                                     encoding="utf-8")
-    schedule = build_schedule(config.arrival).tolist() if config.mode == "open" else None
     write_run_plots(records, out, schedule, info.bursts_s)
     return summary
 
 
-def _describe(config: LoadConfig, out: Path) -> str:
-    info = run_info(config)
-    what = (f"{info.scheduled} requests over {config.arrival.duration:g} s ({config.arrival.kind})"
-            if info.scheduled is not None else f"closed loop, {config.concurrency} in flight")
-    return f"{what} -> {', '.join(config.hosts)}\n  {shlex.join(locust_command(config, out))}"
+def _describe(config: LoadConfig) -> str:
+    schedule = schedule_of(config)
+    what = (f"{len(schedule)} requests over {config.arrival.duration:g} s ({config.arrival.kind})"
+            if schedule is not None else f"closed loop, {config.concurrency} in flight")
+    return f"{what} -> {', '.join(config.hosts)}"
+
+
+def _dry_run(config: LoadConfig, out: Path, prefix: str = "") -> None:
+    print(f"{prefix}{_describe(config)}\n  {shlex.join(locust_command(config, out))}")
 
 
 def cmd_run(config: LoadConfig, out: Path, dry_run: bool) -> int:
     if dry_run:
-        print(_describe(config, out))
+        _dry_run(config, out)
         return 0
-    print(f"loadtest: {_describe(config, out).splitlines()[0]} (log: {out / 'locust.log'})", file=sys.stderr)
+    print(f"loadtest: {_describe(config)} (log: {out / 'locust.log'})", file=sys.stderr)
     result = run_locust(config, out)
     summary = report_run(config, result.records, out)
     print(format_table([summary]))
@@ -115,11 +124,11 @@ def cmd_compare(config: LoadConfig, targets: dict[str, tuple[str, ...]], out: Pa
             for i, (name, hosts) in enumerate(targets.items())}
     if dry_run:
         for name, each in runs.items():
-            print(f"{name}: {_describe(each, out / name)}")
+            _dry_run(each, out / name, f"{name}: ")
         return 0
     summaries, records = {}, {}
     for name, each in runs.items():
-        print(f"loadtest: {name}: {_describe(each, out / name).splitlines()[0]}", file=sys.stderr)
+        print(f"loadtest: {name}: {_describe(each)}", file=sys.stderr)
         result = run_locust(each, out / name)
         records[name] = result.records
         summaries[name] = report_run(each, result.records, out / name)

@@ -32,7 +32,7 @@ from locust.stats import CSV_STATS_INTERVAL_SEC
 from loadtest.client import StreamingClient
 from loadtest.config import LoadConfig, add_arguments, config_from_options, split_hosts
 from loadtest.dispatch import DispatchResult, Dispatcher
-from loadtest.records import META_FILE, RECORDS_FILE, RequestRecord
+from loadtest.records import META_FILE, RECORDS_FILE, RequestRecord, write_records
 from loadtest.schedules import build_schedule
 from loadtest.sse import RequestFailed
 from loadtest.workloads import build_workload
@@ -59,7 +59,7 @@ class LocustReporter:
 
     def __call__(self, record: RequestRecord) -> None:
         if self._records is not None:
-            self._records.write(record.to_json() + "\n")
+            write_records(self._records, [record])
         url = record.target + self._name
         if not record.ok:
             self._event("POST", record.e2e_s, 0, url, RequestFailed(record.error))

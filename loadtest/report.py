@@ -138,8 +138,9 @@ def burst_recovery(records: Sequence[RequestRecord], bursts: Sequence[float], pe
     """
     results = []
     for at in bursts:
-        own = [r for r in records if r.scheduled_s is not None and abs(r.scheduled_s - at) < 1e-9]
-        base = [r for r in records if r.ok and not (r.scheduled_s is not None and abs(r.scheduled_s - at) < 1e-9)]
+        in_burst = [r.scheduled_s is not None and abs(r.scheduled_s - at) < 1e-9 for r in records]
+        own = [r for r, inside in zip(records, in_burst) if inside]
+        base = [r for r, inside in zip(records, in_burst) if r.ok and not inside]
         before = [r for r in base if at - period / 2 <= r.sent_s < at]
         after = [r for r in base if at <= r.sent_s < at + period]
         entry: dict[str, Any] = {
