@@ -158,21 +158,42 @@ class Gateway:
 
 
 def capacity(spec: NodeSpec, specs: Sequence[RequestSpec]) -> float:
-    """Requests/s the node sustains with this mix: every request at t=0, completions between 20% and 80%."""
+    """Requests/s the node sustains with this mix: all at t=0, split evenly, until the first replica runs dry.
+
+    Measured as tokens (prompt + output) processed per second while every replica still had requests waiting,
+    divided by the mix's mean tokens per request, so the mix's short requests finishing first do not inflate it.
+    """
     clock = VirtualClock()
     node = Node(spec, clock)
-    reqs = [SimRequest(s.prompt_tokens, s.output_tokens) for s in specs]
-    for i, req in enumerate(reqs):
-        node.engines[i % len(node.engines)].add(req)
+    for i, s in enumerate(specs):
+        node.engines[i % len(node.engines)].add(SimRequest(s.prompt_tokens, s.output_tokens))
+    probe = _Drained(node.engines, clock)
+    clock.call_at(0.0, probe.check)
     clock.run()
-    ends = np.sort([r.finished_at for r in reqs if r.finished_at is not None])
-    lo, hi = int(0.2 * len(ends)), int(0.8 * len(ends))
-    return (hi - lo) / float(ends[hi] - ends[lo])
+    tokens = probe.tokens_at_drain
+    mean = sum(s.prompt_tokens + s.output_tokens for s in specs) / len(specs)
+    return tokens / probe.drained_at / mean
+
+
+class _Drained:
+    """Polls (every 10 ms of simulated time) for the first replica with an empty waiting queue."""
+
+    def __init__(self, engines: Sequence[Engine], clock: VirtualClock) -> None:
+        self.engines, self.clock = engines, clock
+        self.drained_at = 0.0
+        self.tokens_at_drain = 0
+
+    def check(self) -> None:
+        if all(e.num_waiting for e in self.engines):
+            self.clock.call_at(self.clock.now() + 0.01, self.check)
+            return
+        self.drained_at = self.clock.now()
+        self.tokens_at_drain = sum(e.prompt_tokens_total + e.generation_tokens_total for e in self.engines)
 
 
 def saturation_sample(spec: NodeSpec, specs: Sequence[RequestSpec]) -> list[RequestSpec]:
     """Enough requests of the mix to keep every replica's batch full for a while."""
-    n = max(1000, 4 * spec.replicas * spec.max_num_seqs)
+    n = max(2000, 8 * spec.replicas * spec.max_num_seqs)
     return [specs[i % len(specs)] for i in range(n)]
 
 
