@@ -1,4 +1,4 @@
-"""The gateway type-checks under mypy --strict."""
+"""The gateway and the load tests type-check under mypy --strict."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_gateway_is_mypy_strict_clean() -> None:
-    """mypy --strict finds nothing in gateway/."""
-    result = subprocess.run([sys.executable, "-m", "mypy", "gateway"], cwd=ROOT, capture_output=True, text=True,
+def test_packages_are_mypy_strict_clean() -> None:
+    """mypy --strict finds nothing in gateway/ and loadtest/."""
+    result = subprocess.run([sys.executable, "-m", "mypy", "gateway", "loadtest"], cwd=ROOT, capture_output=True, text=True,
                             timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
