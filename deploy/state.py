@@ -122,9 +122,10 @@ def is_running(state: RunState) -> bool:
 def format_table(state: RunState) -> str:
     """A human-readable view of the state."""
     running = is_running(state)
-    age = time.time() - state.started_at
+    when = (f"up {time.time() - state.started_at:.0f} s" if running else
+            f"stopped at {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(state.updated_at))}")
     head = (f"deployment pid {state.pid} ({'running' if running else 'NOT running'}), device {state.device}, "
-            f"model {state.model}, up {age:.0f} s")
+            f"model {state.model}, {when}")
     rows = [("NAME", "URL", "PID", "STATUS", "HEALTHY", "RESTARTS", "LOG")]
     procs = ([state.gateway] if state.gateway else []) + list(state.replicas)
     for p in procs:
