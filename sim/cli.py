@@ -59,7 +59,8 @@ def _parser() -> argparse.ArgumentParser:
     _add_node_flags(run)
     run.add_argument("--requests", type=int, default=100_000)
     run.add_argument("--load", type=float, default=0.8, help="arrival rate as a fraction of capacity (0.8)")
-    run.add_argument("--policy", default="least_outstanding_tokens")
+    run.add_argument("--policy", default="least_outstanding_tokens",
+                     choices=("least_outstanding_tokens", "round_robin", "random", "least_requests", "power_of_two"))
     run.add_argument("--seed", type=int, default=0)
     return parser
 
@@ -138,8 +139,14 @@ def _calibrate(args: argparse.Namespace) -> None:
 def _run(args: argparse.Namespace) -> None:
     from .fleet import run_open_loop
 
+    import time
+
     spec = node_spec(args)
-    print(run_open_loop(spec, args.requests, args.load, args.policy, args.seed).report())
+    wall, cpu = time.perf_counter(), time.process_time()
+    summary = run_open_loop(spec, args.requests, args.load, args.policy, args.seed)
+    print(summary.report())
+    print(f"{args.replicas} replicas, {args.requests:,} requests: {time.perf_counter() - wall:.1f} s wall, "
+          f"{time.process_time() - cpu:.1f} s CPU")
 
 
 def main(argv: Sequence[str] | None = None) -> None:
