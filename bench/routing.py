@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from gateway.config import POLICY_NAMES, QueueConfig
-from sim.fleet import Summary, capacity, run_routed, saturation_sample
+from sim.fleet import capacity, run_routed, saturation_sample
 from sim.gpus import get_gpu
 from sim.model import load_model
 from sim.node import NodeSpec

@@ -82,12 +82,12 @@ def run_all_at_once(model: ModelSpec, gpu: GpuSpec, cost: StepCost, max_num_seqs
 def summarize(requests: Sequence[SimRequest], max_num_seqs: int, replicas: int, blocks: int,
               preemptions: int) -> RunResult:
     done = [r for r in requests if r.finished_at is not None and r.first_token_at is not None]
-    duration = max(r.finished_at for r in done)  # type: ignore[type-var]
+    ends = [(r.first_token_at or 0.0, r.finished_at or 0.0) for r in done]
+    duration = max(end for _, end in ends)
     prompt = sum(r.prompt_tokens for r in done)
     output = sum(r.max_tokens for r in done)
-    tpots = [(r.finished_at - r.first_token_at) / (r.max_tokens - 1)  # type: ignore[operator]
-             for r in done if r.max_tokens > 1]
-    ttfts = [r.first_token_at - r.arrival for r in done]  # type: ignore[operator]
+    tpots = [(end - first) / (r.max_tokens - 1) for r, (first, end) in zip(done, ends) if r.max_tokens > 1]
+    ttfts = [first - r.arrival for r, (first, _) in zip(done, ends)]
     return RunResult(max_num_seqs, replicas, len(done), (prompt + output) / duration, output / duration,
                      len(done) / duration, 1e3 * float(np.mean(tpots)), 1e3 * float(np.mean(ttfts)),
                      preemptions, blocks, duration)
@@ -181,7 +181,8 @@ def nelder_mead(f: Callable[[np.ndarray], float], x0: np.ndarray, step: np.ndarr
             else:
                 simplex = [simplex[0]] + [simplex[0] + 0.5 * (x - simplex[0]) for x in simplex[1:]]
                 values = [values[0]] + [f(x) for x in simplex[1:]]
-    return simplex[int(np.argmin(values))]
+    best: np.ndarray = simplex[int(np.argmin(values))]
+    return best
 
 
 def fit(start: StepCost | None = None, calibration: Calibration | None = None,

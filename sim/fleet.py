@@ -74,6 +74,10 @@ class Summary:
                 f"p99 {self.e2e_p99:.2f} s; imbalance {self.imbalance:.2f}; preemptions {self.preemptions}")
 
 
+def pct(values: np.ndarray, q: float) -> float:
+    return float(np.percentile(values, q)) if len(values) else float("nan")
+
+
 def summarize(records: Sequence[Record], engines: Sequence[Engine], imbalance: float) -> Summary:
     done = [r for r in records if r.finished is not None and r.first_token is not None]
     ttft = np.array([r.first_token - r.arrival for r in done])  # type: ignore[operator]
@@ -83,7 +87,6 @@ def summarize(records: Sequence[Record], engines: Sequence[Engine], imbalance: f
     span = max(end - start, 1e-9)  # type: ignore[operator]
     out = sum(r.output_tokens for r in done)
     counts = np.bincount([r.replica for r in done], minlength=len(engines))
-    pct = (lambda a, q: float(np.percentile(a, q)) if len(a) else float("nan"))
     return Summary(len(records), len(done), sum(r.rejected for r in records), pct(ttft, 50), pct(ttft, 99),
                    pct(e2e, 50), pct(e2e, 99), (out + sum(r.prompt_tokens for r in done)) / span, out / span,
                    imbalance, span, sum(e.num_preemptions for e in engines),

@@ -112,14 +112,9 @@ def from_config(cfg: dict[str, Any], name: str = "model") -> ModelSpec:
             raise ValueError(f"model_type {kind!r} is not supported (opt, gpt2, {', '.join(sorted(_LLAMA_LIKE))})")
     except KeyError as exc:
         raise ValueError(f"config.json for {name!r} lacks {exc.args[0]!r}") from None
-    dtype = str(cfg.get("torch_dtype", "float16"))
-    # vLLM's dtype "auto" serves float32 checkpoints in float16: two bytes either way, unless 8-bit.
-    return spec if dtype not in ("int8", "float8") else _with_dtype(spec, 1)
-
-
-def _with_dtype(spec: ModelSpec, dtype_bytes: int) -> ModelSpec:
-    from dataclasses import replace
-    return replace(spec, dtype_bytes=dtype_bytes)
+    # vLLM's dtype "auto" serves float32 and float16 checkpoints in float16 and bfloat16 ones in bfloat16: two
+    # bytes per weight and per KV element whatever `torch_dtype` says (quantized checkpoints are not modelled).
+    return spec
 
 
 def resolve(source: str) -> Path:

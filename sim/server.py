@@ -200,7 +200,7 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
 
 def _submit(state: ReplicaState, parsed: Parsed) -> list[_Choice]:
     limit = state.engine.config.max_model_len
-    choices = []
+    choices: list[_Choice] = []
     for prompt in parsed.prompts:
         budget = parsed.max_tokens if parsed.max_tokens is not None else limit - prompt
         if prompt + budget > limit:

@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 
 
-class _JumpingSelector(selectors.DefaultSelector):  # type: ignore[misc,valid-type]
+class _JumpingSelector(selectors.DefaultSelector):
     """Polls without blocking; a select that would have blocked for `timeout` moves the clock on instead."""
 
     def __init__(self, loop: VirtualTimeLoop) -> None:
