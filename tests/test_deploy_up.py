@@ -160,3 +160,22 @@ def test_second_deployment_on_the_same_run_dir_is_refused(config: UpConfig) -> N
                                                        gateway=None, replicas=()))
     with pytest.raises(DeployError, match="already runs"):
         run(config, StopFlag())
+
+
+def test_stop_during_startup_stops_the_starting_replica(config: UpConfig, tmp_path: Path) -> None:
+    """Ctrl-C/SIGTERM while a replica is still loading: `deploy up` returns promptly and kills its group."""
+    slow = tmp_path / "slow-python"
+    slow.write_text(f"#!{sys.executable}\nimport time\ntime.sleep(120)\n")
+    slow.chmod(slow.stat().st_mode | stat.S_IXUSR)
+    stop = StopFlag()
+    thread = threading.Thread(target=run, args=(replace(config, python=str(slow)), stop))
+    thread.start()
+    wait(lambda: (config.run_dir / "state.json").exists(), 10, "the first replica to start")
+    pid = run_state.read(config.run_dir).replicas[0].pid
+    assert pid is not None and group_alive(pid)
+    stopped = time.monotonic()
+    stop.set()
+    thread.join(15)
+    assert not thread.is_alive() and time.monotonic() - stopped < 10
+    assert not group_alive(pid)
+    assert run_state.read(config.run_dir).stopped
