@@ -38,6 +38,7 @@ def sim_replicas(aiohttp_server: Any) -> SimFactory:
                     LoopClock(asyncio.get_running_loop()))
         urls = []
         for i, engine in enumerate(node.engines):
+            # aiohttp's TestServer cancels handlers when the client goes away, as `sim serve` does.
             server: TestServer = await aiohttp_server(make_app(engine, load_model(model).name, seed=i))
             urls.append(str(server.make_url("")).rstrip("/"))
         return node, urls
@@ -106,16 +107,25 @@ async def test_tokens_stream_at_the_simulated_pace(sim_replicas: SimFactory) -> 
 
 
 async def test_metrics_use_vllm_names_and_count(sim_replicas: SimFactory) -> None:
-    """/metrics parses as Prometheus text with vLLM's names; running, KV usage and blocks are reported."""
+    """/metrics parses as Prometheus text with vLLM's names; running, waiting, KV usage and blocks are reported;
+    clients that go away get their requests aborted."""
     node, (url,) = await sim_replicas(max_num_seqs=4)
     async with aiohttp.ClientSession() as session:
-        body = {"model": NAME, "prompt": "y" * 200, "max_tokens": 150, "ignore_eos": True}
+        body = {"model": NAME, "prompt": "y" * 200, "max_tokens": 1500, "ignore_eos": True}
         tasks = [asyncio.create_task(session.post(url + "/v1/completions", json=body)) for _ in range(6)]
-        await asyncio.sleep(0.05)
+        deadline = time.monotonic() + 10
+        while node.engines[0].num_running + node.engines[0].num_waiting < 6 and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
         async with session.get(url + "/metrics") as resp:
             text = await resp.text()
         for task in tasks:
-            (await task).release()
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    engine = node.engines[0]
+    deadline = time.monotonic() + 5
+    while (engine.num_running or engine.num_waiting) and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+    assert engine.num_running == engine.num_waiting == engine.used_blocks == 0  # the clients left: aborted
     samples = {s.name: s for f in text_string_to_metric_families(text) for s in f.samples}
     assert samples["vllm:num_requests_running"].value == 4
     assert samples["vllm:num_requests_waiting"].value == 2
