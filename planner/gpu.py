@@ -131,8 +131,7 @@ def summarize_gpu(name: str, total: int, samples: list[GpuSample], before: int |
 
 def open_sampler(index: int = 0, interval_s: float = 0.2, nvml: Nvml | None = None) -> GpuSampler | None:
     """A sampler for GPU `index`, or None when NVML cannot start (no NVIDIA GPU or driver)."""
-    nvml = nvml or pynvml  # type: ignore[assignment]
-    assert nvml is not None
+    nvml = nvml or pynvml
     try:
         nvml.nvmlInit()
     except (pynvml.NVMLError, OSError) as exc:  # no driver library, or no device

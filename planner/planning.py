@@ -239,7 +239,7 @@ def _reasoning(profile: Profile, choice: Choice, bca: Any, memory: ReplicaMemory
     else:
         summary = (f"{head}; KV for B* requests {gib(memory.kv_bytes)} GiB -> VLLM_CPU_KVCACHE_SPACE "
                    f"{layout['cpu_kvcache_space_gib']} GiB per replica; {layout['replicas']} replica(s) on CPU.")
-    return _plain({
+    reasoning: dict[str, Any] = _plain({
         "summary": summary,
         "warnings": plan_warnings(profile, choice),
         "profile": profile.context.source,
@@ -263,6 +263,7 @@ def _reasoning(profile: Profile, choice: Choice, bca: Any, memory: ReplicaMemory
         "admission": f"the gateway sends each replica at most B* = {choice.batch_size} requests at once and "
                      "queues the rest, so no replica runs past its plateau",
     })
+    return reasoning
 
 
 def plan_warnings(profile: Profile, choice: Choice) -> list[str]:

@@ -44,9 +44,10 @@ def _frontier_panel(ax: Axes, points: Sequence[ProfilePoint], choice: Choice, bc
     for p, x, y in zip(points, xs, ys):
         ax.annotate(f"B={p.batch_size}", (x, y), textcoords="offset points", xytext=(6, -12), fontsize=8,
                     color=RED if p.preemptions else "black")
-    preempted = [(x, y) for p, x, y in zip(points, xs, ys) if p.preemptions]
+    preempted = [i for i, p in enumerate(points) if p.preemptions]
     if preempted:
-        ax.scatter(*zip(*preempted), marker="x", s=90, color=RED, zorder=3, label="preemptions (excluded)")
+        ax.scatter([xs[i] for i in preempted], [ys[i] for i in preempted], marker="x", s=90, color=RED, zorder=3,
+                   label="preemptions (excluded)")
     star = next(i for i, p in enumerate(points) if p.batch_size == choice.batch_size)
     ax.scatter([xs[star]], [ys[star]], marker="*", s=320, color=ORANGE, edgecolor="black", zorder=4,
                label=f"B* = {choice.batch_size} (within {choice.epsilon:.0%} of the plateau)")
@@ -124,29 +125,30 @@ def plot_replicas(results: Sequence[CountResult], best: int, path: Path) -> Path
 
 def plot_gpu(profile: Profile, path: Path) -> Path | None:
     """GPU utilization (mean, max), memory used and power against B; None when nothing was measured."""
-    measured = [p for p in profile.points if p.gpu is not None]
+    measured = [(str(p.batch_size), p.gpu) for p in profile.points if p.gpu is not None]
     if not measured:
         return None
-    sizes = [str(p.batch_size) for p in measured]
+    sizes = [b for b, _ in measured]
+    gpus = [g for _, g in measured]
     fig = Figure(figsize=(7, 4.5))
     ax = fig.subplots()
-    ax.plot(sizes, [p.gpu.utilization_mean_pct for p in measured], "-o", color=BLUE, label="mean utilization %")  # type: ignore[union-attr]
-    ax.plot(sizes, [p.gpu.utilization_max_pct for p in measured], ":o", color=BLUE, label="max utilization %")  # type: ignore[union-attr]
+    ax.plot(sizes, [g.utilization_mean_pct or 0.0 for g in gpus], "-o", color=BLUE, label="mean utilization %")
+    ax.plot(sizes, [g.utilization_max_pct or 0.0 for g in gpus], ":o", color=BLUE, label="max utilization %")
     ax.set_ylim(0, 105)
     ax.set_xlabel("batch cap B")
     ax.set_ylabel("GPU utilization (%)")
     other = ax.twinx()
-    memory = [(p.gpu.memory_used_max_bytes or 0) / 2**30 for p in measured]  # type: ignore[union-attr]
-    other.plot(sizes, memory, "-s", color=ORANGE, label="memory used, max (GiB)")
-    power = [p.gpu.power_mean_w for p in measured]  # type: ignore[union-attr]
+    other.plot(sizes, [(g.memory_used_max_bytes or 0) / 2**30 for g in gpus], "-s", color=ORANGE,
+               label="memory used, max (GiB)")
+    power = [g.power_mean_w for g in gpus]
     if all(w is not None for w in power):
-        other.plot(sizes, power, "--^", color=GREEN, label="mean power (W)")
+        other.plot(sizes, [w or 0.0 for w in power], "--^", color=GREEN, label="mean power (W)")
     other.set_ylabel("GiB / W")
     other.set_ylim(bottom=0)
-    handles = ax.get_legend_handles_labels()
-    more = other.get_legend_handles_labels()
-    ax.legend(handles[0] + more[0], handles[1] + more[1], loc="lower right", fontsize=8)
-    ax.set_title(f"GPU while profiling ({measured[0].gpu.name})")  # type: ignore[union-attr]
+    handles, labels = ax.get_legend_handles_labels()
+    more_handles, more_labels = other.get_legend_handles_labels()
+    ax.legend(handles + more_handles, labels + more_labels, loc="lower right", fontsize=8)
+    ax.set_title(f"GPU while profiling ({gpus[0].name})")
     return _save(fig, path)
 
 

@@ -23,7 +23,9 @@ logger = logging.getLogger(__name__)
 class ServerProvider(Protocol):
     """Gives the base URL of a replica capped at `batch_size` for the duration of a `with` block."""
 
-    launches: bool
+    @property
+    def launches(self) -> bool:
+        """Whether each point gets a fresh replica (so GPU memory before launch is a baseline)."""
 
     def serve(self, batch_size: int) -> contextlib.AbstractContextManager[str]: ...
 

@@ -23,8 +23,6 @@ from planner.errors import ProfileError
 from planner.points import Latency, Profile, ProfileContext, ProfilePoint, Workload
 
 SCHEMA = 1
-_LATENCIES = ("ttft", "tpot", "itl", "e2e")
-_STATS = ("mean", "p50", "p99")
 
 
 def point_path(directory: Path, batch_size: int) -> Path:
@@ -122,11 +120,14 @@ def _csv_point(row: dict[str, str], batch_column: str, path: Path, line: int) ->
     batch, total = number(batch_column), number("total_tok_s")
     if batch is None or total is None or batch != int(batch):
         raise ProfileError(f"{str(path)!r} data row {line}: needs an integer {batch_column} and a total_tok_s")
-    latencies = {f"{lat}_ms": Latency(**{s: number(f"{s}_{lat}_ms") for s in _STATS}) for lat in _LATENCIES}
+    def latency(name: str) -> Latency:
+        return Latency(mean=number(f"mean_{name}_ms"), p50=number(f"p50_{name}_ms"), p99=number(f"p99_{name}_ms"))
+
     preemptions = number("preemptions")
     try:
         return ProfilePoint(batch_size=int(batch), total_tok_s=total, output_tok_s=number("output_tok_s"),
                             req_s=number("req_s"), preemptions=None if preemptions is None else int(preemptions),
-                            peak_kv_usage=number("peak_kv_usage"), **latencies)
+                            peak_kv_usage=number("peak_kv_usage"), ttft_ms=latency("ttft"), tpot_ms=latency("tpot"),
+                            itl_ms=latency("itl"), e2e_ms=latency("e2e"))
     except ProfileError as exc:
         raise ProfileError(f"{str(path)!r} data row {line}: {exc}") from exc
