@@ -138,7 +138,7 @@ def _memory_facts(profile: Profile, point: ProfilePoint, config: PlanConfig, dev
     measured = None
     if point.peak_kv_usage is not None and pool is not None:
         measured = measured_kv_bytes(point.peak_kv_usage, pool, per_token.value)
-    overhead = _overhead(point, config, device, weights.value or 0)
+    overhead = _overhead(point, config, device, weights.value or 0, per_token.value)
     facts = MemoryFacts(weights_bytes=int(weights.value or 0), overhead_bytes=int(overhead.value or 0),
                         margin=config.margin, kv_bytes_per_token=per_token.value,
                         tokens_per_request=int(tokens.value) if tokens.value is not None else None,
@@ -148,16 +148,18 @@ def _memory_facts(profile: Profile, point: ProfilePoint, config: PlanConfig, dev
     return facts, sources
 
 
-def _overhead(point: ProfilePoint, config: PlanConfig, device: str, weights: float) -> _Fact:
+def _overhead(point: ProfilePoint, config: PlanConfig, device: str, weights: float,
+              per_token: float | None) -> _Fact:
     if config.overhead_gib is not None:
         return _Fact(config.overhead_gib * GIB, "--overhead-gib")
     if device == "cpu":
         return _Fact(0, "not needed on CPU: VLLM_CPU_KVCACHE_SPACE sizes only the KV pool")
     gpu, pool = point.gpu, point.kv_pool
-    if gpu and gpu.memory_used_max_bytes and gpu.memory_used_before_bytes is not None and pool and pool.bytes:
-        measured = gpu.memory_used_max_bytes - gpu.memory_used_before_bytes - weights - pool.bytes
+    pool_bytes = (pool.bytes or (pool.tokens * per_token if per_token else None)) if pool else None
+    if gpu and gpu.memory_used_max_bytes and gpu.memory_used_before_bytes is not None and pool_bytes:
+        measured = gpu.memory_used_max_bytes - gpu.memory_used_before_bytes - weights - pool_bytes
         if measured > 0:
-            return _Fact(measured, "measured: GPU memory used by the replica - weights - KV pool")
+            return _Fact(measured, "measured: GPU memory the replica used - weights - KV pool")
     return _Fact(DEFAULT_GPU_OVERHEAD_GIB * GIB, f"default {DEFAULT_GPU_OVERHEAD_GIB:g} GiB (CUDA context, "
                                                  "activations, graphs); measure it with `planner profile --model`")
 

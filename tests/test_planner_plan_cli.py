@@ -140,3 +140,30 @@ def test_plateau_at_the_largest_profiled_batch_is_a_warning(tmp_path: Path, caps
                  "--model", "m", "--kv-bytes-per-token", "1000", "--tokens-per-request", "64"]) == 0
     assert "warning: the best throughput is at the largest batch size profiled (B=32)" in capsys.readouterr().out
     assert load(tmp_path / "p.yaml").reasoning["warnings"]
+
+
+def test_gpu_profile_plans_from_its_own_measurements(tmp_path: Path) -> None:
+    """A GPU profile needs no flags: device memory, weights, KV pool, peak usage and overhead were measured."""
+    from planner.points import GpuSummary
+
+    context = ProfileContext(model="/models/opt-1.3b", device="gpu", workload=Workload("fixed", 512, 256),
+                             weights_bytes=int(2.5 * GIB), kv_bytes_per_token=196608.0, gpu_name="H100",
+                             gpu_memory_total_bytes=80 * GIB)
+    pool = KvPool(num_blocks=20000, block_size=16)  # on a GPU vLLM reports blocks, not bytes
+    pool_bytes = 20000 * 16 * 196608
+    gpu = GpuSummary(name="H100", memory_total_bytes=80 * GIB, samples=50, memory_used_before_bytes=GIB,
+                     memory_used_max_bytes=GIB + int(2.5 * GIB) + pool_bytes + int(1.5 * GIB))
+    for batch, tok_s, peak in ((64, 5000.0, 0.18), (128, 8000.0, 0.35), (256, 8300.0, 0.7)):
+        write_point(tmp_path / "prof", context, ProfilePoint(batch_size=batch, total_tok_s=tok_s, preemptions=0,
+                                                             peak_kv_usage=peak, kv_pool=pool, gpu=gpu))
+    out = tmp_path / "plan.yaml"
+    assert main(["plan", "--profile", str(tmp_path / "prof"), "--out", str(out)]) == 0
+    plan = load(out)
+    memory = plan.reasoning["memory"]
+    assert plan.reasoning["batch"]["b_star"] == 128 and plan.reasoning["device"] == "gpu"
+    assert memory["kv_bytes"] == 7000 * 16 * 196608  # 35% of 20000 blocks > 128 x 48 blocks computed
+    assert memory["kv_source"].startswith("measured")
+    assert memory["overhead_bytes"] == int(1.5 * GIB) and memory["sources"]["overhead"].startswith("measured")
+    assert memory["sources"]["weights"].startswith("the profile")
+    assert plan.reasoning["layout"]["device_source"] == "measured: NVML"
+    assert [r.gpu_memory_utilization for r in plan.replicas] == [0.45, 0.45]  # two 27 GiB slices in 72 GiB
