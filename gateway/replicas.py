@@ -72,7 +72,8 @@ class Lease:
         if self._prompt and not self._done:
             self.replica.outstanding -= self._prompt
             self._prompt = 0
-            self._on_release()
+            if self.replica.max_outstanding_tokens is not None:
+                self._on_release()  # only a token cap can admit a queued request now
 
     def tokens(self, count: int) -> None:
         """`count` output tokens came back; never counts down more than the budget."""
@@ -82,7 +83,8 @@ class Lease:
         if done:
             self._output -= done
             self.replica.outstanding -= done
-            self._on_release()  # a token-capped replica may have room for a queued request now
+            if self.replica.max_outstanding_tokens is not None:
+                self._on_release()  # only a token cap can admit a queued request now
 
     def release(self) -> None:
         """The request is over, however it ended. Safe to call more than once."""

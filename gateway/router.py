@@ -118,13 +118,21 @@ class Router:
             waiter.future.result().release()
 
     def wake(self) -> None:
-        """Serve queued requests, in order, that a replica now has room for."""
+        """Serve queued requests, in order, that a replica now has room for.
+
+        Once a waiter finds no room, later waiters for the same model and exclusions are skipped in this pass:
+        they would find none either, or (smaller, under a token cap) would jump the queue.
+        """
         if not self._waiters:
             return
         served = []
+        blocked: set[tuple[str, frozenset[str]]] = set()
         for waiter in self._waiters:
+            key = (waiter.info.model, waiter.exclude)
             if waiter.future.done():
                 served.append(waiter)
+                continue
+            if key in blocked:
                 continue
             try:
                 lease = self.try_acquire(waiter.info, waiter.exclude)
@@ -132,7 +140,9 @@ class Router:
                 waiter.future.set_exception(exc)
                 served.append(waiter)
                 continue
-            if lease is not None:
+            if lease is None:
+                blocked.add(key)
+            else:
                 waiter.future.set_result(lease)
                 served.append(waiter)
         for waiter in served:

@@ -164,3 +164,19 @@ async def test_cancelled_waiter_that_got_a_lease_gives_it_back() -> None:
     await asyncio.gather(waiter, return_exceptions=True)
     replica = next(iter(r.replicas.values()))
     assert replica.inflight == 0 and replica.outstanding == 0
+
+
+async def test_small_request_does_not_jump_a_blocked_one() -> None:
+    """Under a token cap, a small queued request waits behind a larger one that does not fit yet."""
+    r = router(n=1, queue=QueueConfig(max_size=5, max_wait_s=5), max_outstanding_tokens=100)
+    held = r.try_acquire(info(prompt=30, output=30))
+    big = asyncio.create_task(r.acquire(info(prompt=30, output=30)))
+    await settle()
+    small = asyncio.create_task(r.acquire(info(prompt=5, output=5)))
+    await settle()
+    assert not big.done() and not small.done()  # 60 + 10 would fit, but the small one is behind
+    held.release()  # type: ignore[union-attr]
+    await settle()
+    assert big.done() and small.done()  # 60 + 10 <= 100: both go, in order
+    big.result().release()
+    small.result().release()
