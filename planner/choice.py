@@ -238,9 +238,9 @@ def bca_choice(points: Sequence[ProfilePoint], config: BcaConfig | None = None) 
         assert ref_latency is not None
         limit = config.latency_factor * ref_latency
         within = [p for p in clean if (p.latency(metric) or 0.0) <= limit * (1 + _TOLERANCE)]
-    both = [p for p in efficient if p in within]
+    both = {p.batch_size for p in efficient} & {p.batch_size for p in within}
     return BcaChoice(
-        batch_size=max(p.batch_size for p in both) if both else None, efficiency=efficiency,
+        batch_size=max(both, default=None), efficiency=efficiency,
         baseline_batch=base.batch_size, reference_batch=reference, latency_metric=metric, latency_limit_ms=limit,
         largest_efficient=max((p.batch_size for p in efficient), default=None),
         largest_within_latency=max((p.batch_size for p in within), default=None), config=config)

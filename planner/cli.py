@@ -61,8 +61,7 @@ def _plan_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
 
 
 def _run_plan(args: argparse.Namespace) -> int:
-    from deploy.plan import dump
-    from planner.planning import PlanConfig, make_plan
+    from planner.planning import PlanConfig, make_plan, write_plan
     from planner.sources import load_profile
 
     config = PlanConfig(
@@ -76,10 +75,7 @@ def _run_plan(args: argparse.Namespace) -> int:
         gateway_port=args.gateway_port, policy=args.policy, queue_size=args.queue_size)
     profile = load_profile(args.profile)
     plan = make_plan(profile, config)
-    try:
-        dump(plan, args.out)
-    except OSError as exc:
-        raise PlannerError(f"cannot write the plan to {str(args.out)!r}: {exc.strerror}") from exc
+    write_plan(plan, args.out)
     print(plan.reasoning["summary"])
     print(plan.reasoning["bca"]["explanation"])
     for warning in plan.reasoning["warnings"]:
@@ -194,7 +190,11 @@ def _run_profile(args: argparse.Namespace) -> int:
                              cpu_kvcache_space_gib=args.cpu_kvcache_space_gib,
                              startup_timeout_s=args.startup_timeout, device=args.device, gpu_index=args.gpu_index)
     profiler = build_profiler(command)
-    files = profiler.run()
+    try:
+        files = profiler.run()
+    finally:
+        if profiler.gpu is not None:
+            profiler.gpu.close()
     if not args.dry_run:
         print(f"{len(files)} point(s) in {args.out}; next: planner plan --profile {args.out} --out plan.yaml")
     return 0
@@ -221,7 +221,8 @@ def _validate_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
 def _run_validate(args: argparse.Namespace) -> int:
     from deploy.plan import load
     from planner.setup import build_workload
-    from planner.validate import SubprocessDeployer, ValidateConfig, Validator, write_validated
+    from planner.planning import write_plan
+    from planner.validate import SubprocessDeployer, ValidateConfig, Validator
 
     plan = load(args.plan)
     config = ValidateConfig(counts=args.counts or tuple(range(1, len(plan.replicas) + 1)),
@@ -232,7 +233,7 @@ def _run_validate(args: argparse.Namespace) -> int:
     deployer = SubprocessDeployer(run_dir=run_dir, startup_timeout_s=args.startup_timeout)
     validated, results = Validator(plan, config, deployer, workload).run()
     out = args.out or args.plan
-    write_validated(validated, out)
+    write_plan(validated, out)
     best = validated.validation["best_replicas"]
     print(f"best: {best} replica(s) of {len(plan.replicas)} planned; wrote {out}")
     if args.plots is not None:
@@ -243,11 +244,12 @@ def _run_validate(args: argparse.Namespace) -> int:
 
 def _validate_workload(args: argparse.Namespace, planned: dict[str, object]) -> WorkloadOptions:
     """Flags win; else the workload the profile used (the plan records it); else the papers' 512/256."""
-    dataset = args.dataset or (planned.get("source") if planned.get("kind") in ("sharegpt", "jsonl") else None)
-    fixed = planned.get("kind") == "fixed"
+    kind = planned.get("kind")
+    dataset = args.dataset or (planned.get("source") if kind in ("sharegpt", "jsonl") else None)
+    recorded_in, recorded_out = (planned.get("input_tokens"), planned.get("output_tokens"))
     return WorkloadOptions(
-        input_tokens=args.input_tokens or (int(str(planned["input_tokens"])) if fixed else 512),
-        output_tokens=args.output_tokens or (int(str(planned["output_tokens"])) if fixed else 256),
+        input_tokens=args.input_tokens or (recorded_in if kind == "fixed" and isinstance(recorded_in, int) else 512),
+        output_tokens=args.output_tokens or (recorded_out if isinstance(recorded_out, int) else 256),
         dataset=str(dataset) if dataset else None, dataset_format=args.dataset_format, tokenizer=args.tokenizer,
         ignore_eos=not args.no_ignore_eos)
 

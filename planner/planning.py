@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
-from deploy.plan import Admission, GatewaySpec, Plan, PlanError, ReplicaSpec
+from deploy.plan import Admission, GatewaySpec, Plan, PlanError, ReplicaSpec, dump
 from planner import modelinfo
 from planner.choice import BcaConfig, ChoiceConfig, Choice, bca_choice, choose_batch, explain_difference
 from planner.errors import MemoryPlanError, PlannerError
@@ -288,3 +289,12 @@ def _plain(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [_plain(v) for v in value]
     return value
+
+
+def write_plan(plan: Plan, path: Path) -> None:
+    """Write a plan file, making its directory; an unwritable path is a user error."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        dump(plan, path)
+    except OSError as exc:
+        raise PlannerError(f"cannot write the plan to {str(path)!r}: {exc.strerror}") from exc

@@ -23,7 +23,7 @@ from planner.errors import PlannerError, RunError
 from planner.gpu import GpuSampler
 from planner.points import GpuSummary, ProfileContext, ProfilePoint
 from planner.servers import ServerProvider
-from planner.sources import point_path, write_point
+from planner.sources import point_path, read_point, write_point
 from planner.stats import summarize
 from planner.vllm_metrics import MetricsWatcher
 from planner.workload import RequestSpec, WorkloadSource
@@ -111,6 +111,7 @@ class Profiler:
             path = point_path(self.config.out, batch)
             n = self.config.requests_for(batch)
             if path.exists():
+                self._check_same_run(path)
                 self.out(f"B={batch}: done already ({path}), skipped")
             elif self.config.dry_run:
                 self.out(f"B={batch}: would {self.servers.describe(batch)}; then send {n} requests, {batch} at a "
@@ -118,6 +119,14 @@ class Profiler:
             else:
                 todo.append(batch)
         return todo
+
+    def _check_same_run(self, path: Path) -> None:
+        """A point on disk is reused only if it measured the same model, device and workload."""
+        done, _ = read_point(path)
+        ours = self.context
+        if (done.model, done.device, done.workload) != (ours.model, ours.device, ours.workload):
+            raise PlannerError(f"{path} was measured with another model, device or workload "
+                               f"({done.model}, {done.device}, {done.workload}); give this run another --out")
 
     def _point(self, batch: int) -> None:
         n = self.config.requests_for(batch)

@@ -43,7 +43,10 @@ def summarize(load: LoadResult) -> RunSummary:
     duration = load.duration_s
     output = sum(r.output_tokens for r in ok)
     prompt = sum(r.prompt_tokens for r in ok)
-    rate = (lambda n: round(n / duration, 3)) if duration > 0 else (lambda n: 0.0)
+
+    def rate(n: float) -> float:
+        return round(n / duration, 3) if duration > 0 else 0.0
+
     return RunSummary(
         num_requests=len(load.results), failed_requests=len(load.results) - len(ok), duration_s=round(duration, 3),
         req_s=rate(len(ok)), output_tok_s=rate(output), total_tok_s=rate(output + prompt),

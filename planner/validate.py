@@ -158,10 +158,3 @@ class Validator:
                 await run_load(session, url, model, warm, concurrency, self.config.timeouts)
             requests = self.workload.requests(n, concurrency * 10**6)
             return summarize(await run_load(session, url, model, requests, concurrency, self.config.timeouts))
-
-
-def write_validated(plan: Plan, path: Path) -> None:
-    try:
-        dump(plan, path)
-    except OSError as exc:
-        raise PlannerError(f"cannot write the plan to {str(path)!r}: {exc.strerror}") from exc

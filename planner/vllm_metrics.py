@@ -9,6 +9,7 @@ vLLMs called the usage `vllm:gpu_cache_usage_perc`; it is read when the new name
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from dataclasses import dataclass
 
@@ -106,10 +107,8 @@ class MetricsWatcher:
     async def __aexit__(self, *exc: object) -> None:
         assert self._task is not None
         self._task.cancel()
-        try:
+        with contextlib.suppress(asyncio.CancelledError):  # the cancellation we just asked for
             await self._task
-        except asyncio.CancelledError:
-            pass
         self.after = await self._scrape()
 
     @property

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import socket
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,6 +18,7 @@ from planner.gpu import GpuSampler
 from planner.points import ProfileContext, Workload
 from planner.profiler import ProfileConfig, Profiler
 from planner.servers import LaunchedServer, RunningServer
+from planner.setup import free_port
 from planner.sources import load_profile, point_path
 from planner.stats import summarize
 from planner.vllm_metrics import parse_metrics
@@ -87,12 +87,6 @@ def test_summary_rates_are_over_wall_time_and_skip_failures() -> None:
     assert (s.output_tok_s, s.total_tok_s, s.req_s) == (3.5, 13.5, 1.0)
     assert s.tpot_ms.mean == pytest.approx((300.0 + 500.0) / 2)
     assert s.ttft_ms.mean == pytest.approx(300.0) and s.e2e_ms.p50 == pytest.approx(1250.0)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture
@@ -195,3 +189,15 @@ def test_open_sampler_is_none_when_nvml_cannot_start() -> None:
     assert open_sampler(index=3, nvml=fake) is None and fake.shutdowns == 1
     sampler = open_sampler(nvml=FakeNvml())
     assert sampler is not None and sampler.name == "Fake H100"
+
+
+def test_rerun_with_another_workload_refuses_to_mix_points(fake_url: str, tmp_path: Path,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """Points measured with other lengths are not silently reused: the rerun asks for another --out."""
+    out = tmp_path / "prof"
+    assert run_cli("--url", fake_url, "--out", str(out), "--batch-sizes", "1", "--num-requests", "4") == 0
+    code = main(["profile", "--url", fake_url, "--out", str(out), "--batch-sizes", "1,2", "--input-tokens", "9",
+                 "--output-tokens", "4"])
+    assert code == 2
+    assert "was measured with another model, device or workload" in capsys.readouterr().err
+    assert not point_path(out, 2).exists()

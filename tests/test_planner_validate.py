@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import csv
-import socket
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,17 +16,12 @@ from deploy.plan import Admission, GatewaySpec, Plan, ReplicaSpec, load
 from deploy.process import ManagedProcess
 from planner.errors import PlannerError
 from planner.points import Latency
+from planner.setup import free_port
 from planner.stats import RunSummary
 from planner.validate import CountResult, ValidateConfig, Validator, best_count, sub_plan
 from planner.workload import ApproximatePrompts, FixedLengths
 
 REPLICATION = Path(__file__).resolve().parent.parent / "planner" / "data" / "bca-opt-1.3b-h100-replication.csv"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def summary(tok_s: float) -> RunSummary:
