@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from deploy.plan import PlanError
+from gateway.config import POLICY_NAMES
 from deploy.process import ProcessError
 from planner.choice import BcaConfig, ChoiceConfig, Slo
 from planner.client import Timeouts
@@ -24,15 +25,26 @@ from planner.setup import WorkloadOptions
 logger = logging.getLogger(__name__)
 
 
+def _add_choice_flags(p: argparse.ArgumentParser) -> None:
+    """How B* is chosen, and the BCA rule's knobs for the comparison."""
+    p.add_argument("--epsilon", type=float, default=0.05, help="B* is within this of the best (default 0.05)")
+    p.add_argument("--slo-p99-tpot-ms", type=float, help="only batch sizes whose p99 TPOT is at most this")
+    p.add_argument("--slo-p99-ttft-ms", type=float, help="only batch sizes whose p99 TTFT is at most this")
+    p.add_argument("--slo-p99-itl-ms", type=float, help="only batch sizes whose p99 ITL is at most this")
+    p.add_argument("--bca-efficiency", type=float, default=0.1, help="BCA comparison: efficiency threshold (0.1)")
+    p.add_argument("--bca-latency-factor", type=float, default=3.0, help="BCA comparison: L (default 3)")
+
+
+def _bca_config(args: argparse.Namespace) -> BcaConfig:
+    return BcaConfig(min_efficiency=args.bca_efficiency, latency_factor=args.bca_latency_factor)
+
+
 def _plan_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("plan", help="choose B*, memory per replica and replica count; write plan.yaml",
                        description="Plan a deployment from a profile directory or a reference-format CSV.")
     p.add_argument("--profile", required=True, type=Path, help="directory from `planner profile`, or a CSV")
     p.add_argument("--out", type=Path, default=Path("plan.yaml"), help="the plan to write (default plan.yaml)")
-    p.add_argument("--epsilon", type=float, default=0.05, help="B* is within this of the best (default 0.05)")
-    p.add_argument("--slo-p99-tpot-ms", type=float, help="only batch sizes whose p99 TPOT is at most this")
-    p.add_argument("--slo-p99-ttft-ms", type=float, help="only batch sizes whose p99 TTFT is at most this")
-    p.add_argument("--slo-p99-itl-ms", type=float, help="only batch sizes whose p99 ITL is at most this")
+    _add_choice_flags(p)
     p.add_argument("--model", help="model to serve (default: the profile's)")
     p.add_argument("--device", choices=("auto", "gpu", "cpu"), default="auto",
                    help="gpu: split GPU memory; cpu: size VLLM_CPU_KVCACHE_SPACE (auto: from the profile/flags)")
@@ -52,10 +64,9 @@ def _plan_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
                    help="give each replica kv_cache_memory_bytes instead of gpu_memory_utilization")
     p.add_argument("--base-port", type=int, default=8001, help="first replica's port (default 8001)")
     p.add_argument("--gateway-port", type=int, default=8000, help="the gateway's port (default 8000)")
-    p.add_argument("--policy", default="least_outstanding_tokens", help="the gateway's routing policy")
+    p.add_argument("--policy", choices=POLICY_NAMES, default="least_outstanding_tokens",
+                   help="the gateway's routing policy")
     p.add_argument("--queue-size", type=int, help="gateway admission queue (default max(1024, 4 x replicas x B*))")
-    p.add_argument("--bca-efficiency", type=float, default=0.1, help="BCA comparison: efficiency threshold (0.1)")
-    p.add_argument("--bca-latency-factor", type=float, default=3.0, help="BCA comparison: L (default 3)")
     p.add_argument("--plots", type=Path, help="also draw the profile's plots into this directory")
     p.set_defaults(run=_run_plan)
 
@@ -66,7 +77,7 @@ def _run_plan(args: argparse.Namespace) -> int:
 
     config = PlanConfig(
         choice=_choice_config(args),
-        bca=BcaConfig(min_efficiency=args.bca_efficiency, latency_factor=args.bca_latency_factor),
+        bca=_bca_config(args),
         model=args.model, device=args.device, gpu_memory_gib=args.gpu_memory_gib,
         usable_fraction=args.usable_fraction, weights_gib=args.weights_gib,
         kv_bytes_per_token=args.kv_bytes_per_token, tokens_per_request=args.tokens_per_request,
@@ -99,12 +110,7 @@ def _plot_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
                        description="Draw frontier.png (and gpu.png when measured) for a profile or a CSV.")
     p.add_argument("--profile", required=True, type=Path, help="directory from `planner profile`, or a CSV")
     p.add_argument("--out", type=Path, default=Path("."), help="directory for the PNG files (default .)")
-    p.add_argument("--epsilon", type=float, default=0.05, help="B* is within this of the best (default 0.05)")
-    p.add_argument("--slo-p99-tpot-ms", type=float)
-    p.add_argument("--slo-p99-ttft-ms", type=float)
-    p.add_argument("--slo-p99-itl-ms", type=float)
-    p.add_argument("--bca-efficiency", type=float, default=0.1)
-    p.add_argument("--bca-latency-factor", type=float, default=3.0)
+    _add_choice_flags(p)
     p.set_defaults(run=_run_plot)
 
 
@@ -117,8 +123,7 @@ def _choice_config(args: argparse.Namespace) -> ChoiceConfig:
 def _run_plot(args: argparse.Namespace) -> int:
     from planner.sources import load_profile
 
-    bca = BcaConfig(min_efficiency=args.bca_efficiency, latency_factor=args.bca_latency_factor)
-    _draw(load_profile(args.profile), args.out, _choice_config(args), bca)
+    _draw(load_profile(args.profile), args.out, _choice_config(args), _bca_config(args))
     return 0
 
 
