@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,7 +77,8 @@ def _text_tokens(prompt: Any, model: str, counter: TokenCounter, param: str) -> 
     raise bad_request(f"'{param}' must be a string, a list of strings or a list of token ids", param)
 
 
-def _chat_tokens(messages: Any, model: str, counter: TokenCounter) -> int:
+def chat_tokens(messages: Any, count: Callable[[str], int]) -> int:
+    """Tokens in chat messages: their text (plain or content parts) plus what a chat template adds per message."""
     if not isinstance(messages, list) or not messages:
         raise bad_request("'messages' must be a non-empty list", "messages")
     total = 0
@@ -85,10 +87,9 @@ def _chat_tokens(messages: Any, model: str, counter: TokenCounter) -> int:
             raise bad_request("each message must be an object with 'role' and 'content'", "messages")
         content = message.get("content")
         if isinstance(content, str):
-            total += counter.count(model, content)
+            total += count(content)
         elif isinstance(content, list):  # content parts: count the text ones
-            total += sum(counter.count(model, p["text"]) for p in content
-                         if isinstance(p, dict) and isinstance(p.get("text"), str))
+            total += sum(count(p["text"]) for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
         total += CHAT_TOKENS_PER_MESSAGE
     return total
 
@@ -104,7 +105,7 @@ def parse(raw: bytes, endpoint: str, counter: TokenCounter, default_max_tokens: 
     stream = _stream(body)
     n = _int_field(body, "n", 1) or 1
     if endpoint == "chat":
-        prompt_tokens = _chat_tokens(body.get("messages"), model, counter)
+        prompt_tokens = chat_tokens(body.get("messages"), lambda text: counter.count(model, text))
         per_choice = _int_field(body, "max_completion_tokens", 0)
         if per_choice is None:
             per_choice = _int_field(body, "max_tokens", 0)

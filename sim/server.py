@@ -23,13 +23,15 @@ from typing import Any
 
 from aiohttp import web
 
+from gateway.errors import GatewayError
+from gateway.parsing import chat_tokens
+
 from .engine import Engine, SimRequest
 from .workload import REFERENCE_OUTPUT_MEAN
 
 logger = logging.getLogger(__name__)
 
 BYTES_PER_TOKEN = 4
-CHAT_TOKENS_PER_MESSAGE = 4
 TOKEN_TEXT = " tok"  # 4 bytes: a client re-estimating tokens from text gets the count back
 _EOS_SIGMA = 0.8
 
@@ -82,20 +84,11 @@ def _prompts(prompt: Any) -> list[int]:
 
 
 def _chat_tokens(messages: Any) -> int:
-    if not isinstance(messages, list) or not messages:
-        raise BadRequest("'messages' must be a non-empty list", "messages")
-    total = 0
-    for message in messages:
-        if not isinstance(message, dict):
-            raise BadRequest("each message must be an object with 'role' and 'content'", "messages")
-        content = message.get("content")
-        if isinstance(content, str):
-            total += estimate_tokens(content)
-        elif isinstance(content, list):
-            total += sum(estimate_tokens(p["text"]) for p in content if isinstance(p, dict) and
-                         isinstance(p.get("text"), str))
-        total += CHAT_TOKENS_PER_MESSAGE
-    return total
+    """The gateway's count of chat tokens (text plus template overhead), estimated from bytes."""
+    try:
+        return chat_tokens(messages, estimate_tokens)
+    except GatewayError as exc:
+        raise BadRequest(exc.message, exc.param) from None
 
 
 def _int(body: dict[str, Any], name: str, minimum: int) -> int | None:
