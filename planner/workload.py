@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from loadtest.workloads import EstimatedTokens, TokenizerTokens, parse_sharegpt
 from planner.errors import PlannerError
 from planner.points import Workload
 
@@ -66,32 +67,32 @@ class TokenizerPrompts:
     def __init__(self, tokenizer_file: Path) -> None:
         from tokenizers import Tokenizer
 
-        self._tokenizer = Tokenizer.from_file(str(tokenizer_file))
-        special = set(self._tokenizer.get_added_tokens_decoder())
-        ids = [i for i in range(self._tokenizer.get_vocab_size()) if i not in special]
+        self.tokenizer = Tokenizer.from_file(str(tokenizer_file))
+        special = set(self.tokenizer.get_added_tokens_decoder())
+        ids = [i for i in range(self.tokenizer.get_vocab_size()) if i not in special]
         # Only tokens that survive decode -> encode as themselves (not partial UTF-8 bytes, not tokens that
         # re-split), so a prompt's length settles in a step or two.
-        texts = [self._tokenizer.decode([i]) for i in ids]
-        encoded = self._tokenizer.encode_batch(texts, add_special_tokens=False)
+        texts = [self.tokenizer.decode([i]) for i in ids]
+        encoded = self.tokenizer.encode_batch(texts, add_special_tokens=False)
         self._ids = [i for i, e in zip(ids, encoded) if e.ids == [i]]
         if not self._ids:
             raise PlannerError(f"tokenizer {str(tokenizer_file)!r} has no ordinary tokens")
 
     def count(self, text: str) -> int:
-        return len(self._tokenizer.encode(text, add_special_tokens=False).ids)
+        return len(self.tokenizer.encode(text, add_special_tokens=False).ids)
 
     def build(self, n_tokens: int, index: int) -> str:
         rng = random.Random(index)
         ids = [rng.choice(self._ids) for _ in range(n_tokens)]
-        text = self._tokenizer.decode(ids)
+        text = self.tokenizer.decode(ids)
         for _ in range(8):  # re-encoding merges or splits tokens: trim or pad until it settles
-            ids = self._tokenizer.encode(text, add_special_tokens=False).ids
+            ids = self.tokenizer.encode(text, add_special_tokens=False).ids
             if len(ids) == n_tokens:
                 return text
             if len(ids) > n_tokens:
-                text = self._tokenizer.decode(ids[:n_tokens])
+                text = self.tokenizer.decode(ids[:n_tokens])
             else:
-                text = text + self._tokenizer.decode([rng.choice(self._ids) for _ in range(n_tokens - len(ids))])
+                text = text + self.tokenizer.decode([rng.choice(self._ids) for _ in range(n_tokens - len(ids))])
         return text
 
 
@@ -172,29 +173,19 @@ def _mean_tokens(texts: Sequence[str], builder: PromptBuilder) -> int | None:
 
 def load_sharegpt(path: str, builder: PromptBuilder, default_output: int, ignore_eos: bool = True,
                   limit: int = 10_000) -> Dataset:
-    """ShareGPT JSON: the first human turn is the prompt; the reply's length (when countable) the output."""
+    """ShareGPT JSON: the first human turn is the prompt, the reply's length the output (parsed by the load
+    tester's `parse_sharegpt`; lengths counted with the tokenizer when there is one, else estimated)."""
+    tokens = TokenizerTokens(builder.tokenizer) if isinstance(builder, TokenizerPrompts) else EstimatedTokens()
     try:
-        data = json.loads(_read(path))
+        pairs = parse_sharegpt(json.loads(_read(path)), tokens)[:limit]
     except json.JSONDecodeError as exc:
         raise PlannerError(f"ShareGPT file {path!r} is not valid JSON: {exc}") from exc
-    if not isinstance(data, list):
-        raise PlannerError(f"ShareGPT file {path!r} must hold a list of conversations")
-    items, prompts = [], []
-    for entry in data:
-        turns = entry.get("conversations") if isinstance(entry, dict) else None
-        if not isinstance(turns, list) or len(turns) < 2:
-            continue
-        prompt, reply = (t.get("value") if isinstance(t, dict) else None for t in turns[:2])
-        if not isinstance(prompt, str) or not prompt.strip() or not isinstance(reply, str):
-            continue
-        out = builder.count(reply) or default_output
-        items.append(RequestSpec(prompt, max(1, out), ignore_eos))
-        prompts.append(prompt)
-        if len(items) >= limit:
-            break
-    if not items:
+    except ValueError as exc:
+        raise PlannerError(f"ShareGPT file {path!r}: {exc}") from exc
+    if not pairs:
         raise PlannerError(f"ShareGPT file {path!r} has no conversation with a human turn and a reply")
-    return Dataset("sharegpt", path, tuple(items), _mean_tokens(prompts, builder))
+    items = tuple(RequestSpec(prompt, max(1, reply or default_output), ignore_eos) for prompt, _, reply in pairs)
+    return Dataset("sharegpt", path, items, _mean_tokens([prompt for prompt, _, _ in pairs], builder))
 
 
 def load_jsonl(path: str, builder: PromptBuilder, default_output: int, ignore_eos: bool = True) -> Dataset:

@@ -100,3 +100,13 @@ def test_missing_dataset_and_tokenizer_are_named(tmp_path: Path) -> None:
         build_workload(WorkloadOptions(dataset=str(tmp_path / "nope.json")), None)
     with pytest.raises(PlannerError, match="is not a tokenizer.json"):
         build_workload(WorkloadOptions(tokenizer=str(tmp_path / "nope")), None)
+
+
+def test_sharegpt_without_a_tokenizer_estimates_reply_lengths(tmp_path: Path) -> None:
+    """No tokenizer: reply lengths are estimated (four characters a token); prompt tokens stay unknown."""
+    path = tmp_path / "sharegpt.json"
+    path.write_text(json.dumps([{"conversations": [{"from": "human", "value": "hi"},
+                                                   {"from": "gpt", "value": "x" * 40}]}]))
+    dataset = load_sharegpt(str(path), ApproximatePrompts(), default_output=99)
+    assert dataset.items[0].max_tokens == 10
+    assert dataset.describe().input_tokens is None
