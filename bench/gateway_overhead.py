@@ -1,5 +1,8 @@
 """Direct-to-replica against through-the-gateway, side by side in one run, with a fast FAKE replica.
 
+A bare aiohttp proxy (bench/bare_proxy.py: no parsing, accounting, health checks or metrics) runs beside them as
+a reference: it shows what any aiohttp-based proxy costs on the same machine in the same run.
+
 Measures, for each path, in rounds that alternate direct and gateway (medians reported):
   - requests/s at saturation, non-streaming (wrk),
   - SSE chunks/s streaming 64 chunks per response, unpaced and paced like real tokens (wrk; every response is
@@ -147,8 +150,10 @@ def main() -> None:
     if not shutil.which("wrk"):
         sys.exit("bench: wrk is needed (Debian/Ubuntu: apt-get install wrk)")
 
-    replica_port, gateway_port = free_port(), free_port()
+    replica_port, gateway_port, bare_port = free_port(), free_port(), free_port()
     direct, through = f"http://127.0.0.1:{replica_port}", f"http://127.0.0.1:{gateway_port}"
+    bare = f"http://127.0.0.1:{bare_port}"
+    paths = (("direct", direct), ("bare", bare), ("gateway", through))
     config = Path(tempfile.mkdtemp()) / "gateway.yaml"
     config.write_text(json.dumps({
         "replicas": [{"url": direct, "max_requests": 100000, "max_outstanding_tokens": 10**9}],
@@ -162,16 +167,18 @@ def main() -> None:
                                                         "max_tokens": CHUNKS, "stream": True,
                                                         "bench_itl_ms": PACED_ITL_MS}, 512, CHUNKS),
     }
-    results: dict[str, dict[str, list[float]]] = {name: {"direct": [], "gateway": [], "cpu": []}
+    results: dict[str, dict[str, list[float]]] = {name: {"direct": [], "bare": [], "gateway": [], "cpu": []}
                                                   for name in scenarios}
-    latency = {"direct": {"p50": [], "p99": []}, "gateway": {"p50": [], "p99": []}}
+    latency: dict[str, dict[str, list[float]]] = {path: {"p50": [], "p99": []} for path, _ in paths}
     cpu_per_request: list[float] = []
     with process([sys.executable, "bench/fast_replica.py", "--port", str(replica_port)], direct + "/health"), \
+            process([sys.executable, "bench/bare_proxy.py", "--port", str(bare_port), "--replica", direct],
+                    bare + "/health"), \
             process([sys.executable, "-m", "gateway.cli", "serve", "--config", str(config)],
                     through + "/ready") as gateway:
         for r in range(args.rounds):
             for name, (body, connections, per_response) in scenarios.items():
-                for path, url in (("direct", direct), ("gateway", through)):
+                for path, url in paths:
                     cpu0 = cpu_seconds(gateway.pid)
                     # paced responses last 64 x 20 ms: a longer window keeps edge effects small
                     seconds = args.seconds * (3 if "paced " in name else 1)
@@ -182,7 +189,7 @@ def main() -> None:
                     if path == "gateway":
                         results[name]["cpu"].append((cpu_seconds(gateway.pid) - cpu0)
                                                     / (result.requests * per_response))
-            for path, url in (("direct", direct), ("gateway", through)):
+            for path, url in paths:
                 cpu0 = cpu_seconds(gateway.pid)
                 lat = asyncio.run(fixed_rate(url, 100, args.seconds * 2))
                 latency[path]["p50"].append(pct(lat, 50))
@@ -194,16 +201,20 @@ def main() -> None:
     med = statistics.median
     report: dict[str, object] = {}
     print(f"\nGateway overhead, fast fake replica, medians of {args.rounds} rounds of {args.seconds:g} s")
-    print(f"{'':38} {'direct':>10} {'gateway':>10} {'ratio':>7} {'gw CPU/unit':>12}")
+    print(f"{'':34} {'direct':>9} {'bare proxy':>11} {'gateway':>9} {'bare/direct':>12} {'gw/direct':>10}"
+          f" {'gw CPU/unit':>13}")
     for name, fig in results.items():
-        d, g, c = med(fig["direct"]), med(fig["gateway"]), med(fig["cpu"])
+        d, b, g, c = med(fig["direct"]), med(fig["bare"]), med(fig["gateway"]), med(fig["cpu"])
         unit = "chunk" if "chunk" in name else "request"
-        print(f"{name:38} {d:10.0f} {g:10.0f} {g / d:7.1%} {c * 1e6:9.0f} us/{unit}")
-        report[name] = {"direct": d, "gateway": g, "ratio": g / d, f"gateway_cpu_us_per_{unit}": c * 1e6}
+        print(f"{name:34} {d:9.0f} {b:11.0f} {g:9.0f} {b / d:12.1%} {g / d:10.1%} {c * 1e6:8.0f} us/{unit}")
+        report[name] = {"direct": d, "bare_proxy": b, "gateway": g, "bare_ratio": b / d, "ratio": g / d,
+                        f"gateway_cpu_us_per_{unit}": c * 1e6}
     for q in ("p50", "p99"):
-        d, g = med(latency["direct"][q]) * 1e3, med(latency["gateway"][q]) * 1e3
-        print(f"{'latency ' + q + ' at 100 req/s (ms)':38} {d:10.2f} {g:10.2f}   added {g - d:.2f} ms")
-        report[f"latency_{q}_ms"] = {"direct": d, "gateway": g, "added": g - d}
+        d, b, g = (med(latency[path][q]) * 1e3 for path in ("direct", "bare", "gateway"))
+        print(f"{'latency ' + q + ' at 100 req/s (ms)':34} {d:9.2f} {b:11.2f} {g:9.2f} {'added ' + format(b - d, '.2f'):>12}"
+              f" {'added ' + format(g - d, '.2f'):>10}")
+        report[f"latency_{q}_ms"] = {"direct": d, "bare_proxy": b, "gateway": g, "bare_added": b - d,
+                                     "added": g - d}
     print(f"{'gateway CPU per request at 100 req/s':38} {med(cpu_per_request) * 1e6:10.0f} us")
     report["gateway_cpu_us_per_request_at_100rps"] = med(cpu_per_request) * 1e6
     if args.json:
