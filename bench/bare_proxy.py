@@ -18,7 +18,9 @@ REPLICAS = web.AppKey("replicas", Iterator[str])
 
 
 async def _session(app: web.Application) -> AsyncIterator[None]:
-    app[SESSION] = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=5, sock_read=60))
+    # limit=0: aiohttp's default of 100 upstream connections would throttle hundreds of concurrent streams
+    app[SESSION] = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                         timeout=aiohttp.ClientTimeout(total=None, sock_connect=5, sock_read=60))
     yield
     await app[SESSION].close()
 
