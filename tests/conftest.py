@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -69,3 +70,14 @@ def gateway_for(aiohttp_server: Any) -> GatewayFactory:
         await gateway.health.probe_all()
         return GatewayUnderTest(server, gateway)
     return start
+
+
+def port_bound(port: int) -> bool:
+    """Whether something listens on the port (a server restarting with SO_REUSEADDR could not bind)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return True
+    return False

@@ -11,23 +11,13 @@ import pytest
 
 from deploy.plan import Admission, ReplicaSpec
 from deploy.process import ManagedProcess, ProcessDied, StartupTimeout, group_alive, vllm_argv, vllm_env
+from tests.conftest import port_bound
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def port_bound(port: int) -> bool:
-    """Whether something listens on the port (a server restarting with SO_REUSEADDR could not bind)."""
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return True
-    return False
 
 
 def fake(port: int, log: Path, **kw: float) -> ManagedProcess:

@@ -11,7 +11,6 @@ import os
 import random
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +23,8 @@ from typing import Any
 
 import pytest
 from openai import OpenAI
+
+from tests.conftest import port_bound
 
 pytestmark = pytest.mark.vllm
 
@@ -45,21 +46,11 @@ class Deployment:
         return OpenAI(base_url=f"{self.url}/v1", api_key="none", max_retries=0, timeout=60)
 
 
-def port_free(port: int) -> bool:
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
 def free_ports(n: int) -> int:
     """A base port with n free consecutive ports after it."""
     for _ in range(200):
         base = random.randint(20000, 60000)
-        if all(port_free(base + i) for i in range(n)):
+        if all(not port_bound(base + i) for i in range(n)):
             return base
     raise RuntimeError("no free ports")
 
@@ -246,6 +237,6 @@ def test_sigterm_stops_every_process_and_frees_the_ports(deployment: Deployment)
              and Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"]
     assert alive == []
     ports = [int(p["url"].rsplit(":", 1)[1]) for p in procs]
-    assert all(port_free(port) for port in ports)
+    assert all(not port_bound(port) for port in ports)
     final = deployment.state()
     assert final["stopped"] is True and not any(r["healthy"] for r in final["replicas"])
