@@ -148,9 +148,11 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     """One pooled client session and the background tasks, created at start and closed at stop."""
     gw = app[GATEWAY]
     connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, enable_cleanup_closed=False)
+    # Connecting is bounded here; the proxy bounds the first byte and the gaps between chunks itself, and the
+    # health checker passes its own total timeout.
     session = aiohttp.ClientSession(connector=connector, auto_decompress=False,
                                     timeout=aiohttp.ClientTimeout(total=None, sock_connect=gw.config.timeouts.connect_s,
-                                                                  sock_read=gw.config.timeouts.first_byte_s))
+                                                                  sock_read=None))
     gw.proxy = Proxy(gw.config, gw.router, session, gw.metrics)
     probe_headers = {"Authorization": f"Bearer {gw.config.upstream_api_key}"} if gw.config.upstream_api_key else {}
     gw.health = HealthChecker(gw.router, session, gw.config.health, probe_headers)

@@ -46,10 +46,21 @@ class _Upstream:
 class _Retryable(Exception):
     """The replica failed before anything reached the client."""
 
-    def __init__(self, reason: str, status: int, message: str) -> None:
+    def __init__(self, reason: str, status: int, message: str, eject_reason: str = "answered 502/503") -> None:
         super().__init__(message)
         self.reason = reason
         self.status = status
+        self.eject_reason = eject_reason
+
+
+def _retryable(exc: BaseException, url: str) -> _Retryable:
+    """A failure before the first byte, as the retryable error it is (timeouts first: some are also ClientErrors)."""
+    if isinstance(exc, _Retryable):
+        return exc
+    if isinstance(exc, TimeoutError):
+        return _Retryable("timeout", 504, f"replica {url} timed out before the first byte",
+                          "timed out before the first byte")
+    return _Retryable("connection", 502, f"replica {url} failed: {exc}", repr(exc))
 
 
 class Proxy:
@@ -96,16 +107,16 @@ class Proxy:
         raise AssertionError("unreachable: the loop returns or raises")
 
     async def _send(self, request: web.Request, raw: bytes, lease: Lease, info: RequestInfo) -> _Upstream:
-        """The replica's head and first chunk (or whole body), within the first-byte timeout."""
+        """The replica's head and first chunk (or whole body), within the first-byte timeout.
+
+        Connecting is bounded by the session's `sock_connect` (timeouts.connect_s), set once in app.py.
+        """
         replica = lease.replica
-        url = replica.url + request.path_qs
-        timeouts = self._config.timeouts
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=timeouts.connect_s, sock_read=None)
         response: aiohttp.ClientResponse | None = None
         try:
-            async with asyncio.timeout(timeouts.first_byte_s):
-                response = await self._session.request(request.method, url, data=raw or None,
-                                                       headers=self._headers, timeout=timeout)
+            async with asyncio.timeout(self._config.timeouts.first_byte_s):
+                response = await self._session.request(request.method, replica.url + request.path_qs,
+                                                       data=raw or None, headers=self._headers)
                 if response.status in _RETRY_STATUSES:
                     raise _Retryable(f"status_{response.status}", 502,
                                      f"replica {replica.url} answered {response.status}")
@@ -113,21 +124,12 @@ class Proxy:
                     first = await response.content.readany()
                 else:
                     first = await response.read()
-        except _Retryable:
-            eject(replica, "answered 502/503")
+        except (_Retryable, *_UPSTREAM_ERRORS) as exc:
             if response is not None:
                 response.close()
-            raise
-        except TimeoutError:
-            if response is not None:
-                response.close()
-            eject(replica, "timed out before the first byte")
-            raise _Retryable("timeout", 504, f"replica {replica.url} timed out before the first byte") from None
-        except _UPSTREAM_ERRORS as exc:
-            if response is not None:
-                response.close()
-            eject(replica, repr(exc))
-            raise _Retryable("connection", 502, f"replica {replica.url} failed: {exc}") from None
+            failure = _retryable(exc, replica.url)
+            eject(replica, failure.eject_reason)
+            raise failure from None
         if response.status >= 500:
             eject(replica, f"answered {response.status}")
         return _Upstream(response, first)
