@@ -10,7 +10,7 @@ from typing import Any
 
 from aiohttp import web
 
-from .config import POLICY_NAMES, ConfigError, GatewayConfig, ReplicaConfig, from_mapping, load_yaml
+from .config import POLICY_NAMES, ConfigError, GatewayConfig, from_mapping, load_yaml
 
 logger = logging.getLogger(__name__)
 

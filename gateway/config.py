@@ -24,7 +24,7 @@ YAML (every key optional; flags given on the command line win over the file):
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -247,8 +247,3 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     except yaml.YAMLError as exc:
         raise ConfigError(f"config file {str(path)!r} is not valid YAML: {exc}") from exc
     return data or {}
-
-
-def with_overrides(config: GatewayConfig, **changes: Any) -> GatewayConfig:
-    """A copy of `config` with the given fields replaced (validated again)."""
-    return replace(config, **changes)

@@ -60,7 +60,6 @@ class HealthChecker:
         if ok != replica.healthy:
             logger.info("replica %s is %s", replica.url, "healthy" if ok else "unhealthy")
         replica.healthy = ok
-        replica.ever_healthy |= ok
         if ok:
             self._router.wake()
 

@@ -10,10 +10,6 @@ from typing import Any
 from .errors import GatewayError, bad_request
 from .tokens import CHAT_TOKENS_PER_MESSAGE, TokenCounter
 
-GENERATE = "generate"
-EMBED = "embed"
-OTHER = "other"
-
 
 @dataclass(frozen=True)
 class RequestInfo:
@@ -23,7 +19,6 @@ class RequestInfo:
     prompt_tokens: int
     max_tokens: int  # the whole output budget: per-choice max_tokens times n
     stream: bool
-    kind: str = GENERATE
 
 
 def load_json(raw: bytes) -> dict[str, Any]:
@@ -101,7 +96,7 @@ def parse(raw: bytes, endpoint: str, counter: TokenCounter, default_max_tokens: 
     if endpoint == "embeddings":
         if "input" not in body:
             raise bad_request("you must provide an input parameter", "input")
-        return RequestInfo(model, _text_tokens(body["input"], model, counter, "input"), 0, False, EMBED)
+        return RequestInfo(model, _text_tokens(body["input"], model, counter, "input"), 0, False)
     stream = _stream(body)
     n = _int_field(body, "n", 1) or 1
     if endpoint == "chat":
@@ -128,7 +123,7 @@ def other_info(raw: bytes) -> RequestInfo:
             body = None
         if isinstance(body, dict) and isinstance(body.get("model"), str):
             model = body["model"]
-    return RequestInfo(model, 0, 0, False, OTHER)
+    return RequestInfo(model, 0, 0, False)
 
 
 def not_found(model: str) -> GatewayError:

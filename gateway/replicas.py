@@ -17,7 +17,7 @@ class Replica:
     """One upstream vLLM server and its live load. Mutated only on the event loop."""
 
     __slots__ = ("url", "weight", "max_requests", "max_outstanding_tokens", "healthy", "models",
-                 "outstanding", "inflight", "ever_healthy", "cards")
+                 "outstanding", "inflight", "cards")
 
     def __init__(self, config: ReplicaConfig) -> None:
         self.url = config.url
@@ -25,7 +25,6 @@ class Replica:
         self.max_requests = config.max_requests
         self.max_outstanding_tokens = config.max_outstanding_tokens
         self.healthy = False
-        self.ever_healthy = False
         self.models: frozenset[str] = frozenset()
         self.cards: dict[str, dict[str, object]] = {}  # the replica's /v1/models entries, by model id
         self.outstanding = 0

@@ -123,7 +123,7 @@ class Gateway:
         configs = [ReplicaConfig(url=u, max_requests=max_requests) for u in self.urls]
         self.router = Router(StreamedTokens(make_policy(policy, rng), self.engines), queue or QueueConfig(), configs)
         for replica in self.router.replicas.values():
-            replica.healthy = replica.ever_healthy = True
+            replica.healthy = True
             replica.models = frozenset({MODEL})
         self._imbalance_sum = 0.0
         self._imbalance_n = 0
