@@ -1,17 +1,17 @@
-"""The aiohttp application: routes, the error/auth boundary, and the lifecycle of the session and background tasks."""
+"""The gateway: routes, the error/auth boundary, and the lifecycle of the clients and background tasks."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import hmac
+import json
 import logging
-import random
 import os
+import random
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import aiohttp
-from aiohttp import web
 
 from .config import GatewayConfig
 from .discovery import DnsDiscovery, Resolver, SystemResolver
@@ -20,17 +20,30 @@ from .health import HealthChecker
 from .metrics import Metrics
 from .parsing import other_info, parse
 from .policies import make_policy
-from .proxy import REQUEST_ID, Proxy
+from .proxy import Proxy
 from .router import Router
+from .server import HttpServer, Request, Responder, Response
 from .tokens import TokenCounter
+from .upstream import UpstreamPool
 
 logger = logging.getLogger(__name__)
 
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+Route = Callable[[Request, Responder, str], Awaitable["Response | None"]]
+
+_OWN_METHODS = {"/v1/completions": "POST", "/v1/chat/completions": "POST", "/v1/embeddings": "POST",
+                "/v1/models": "GET", "/health": "GET", "/ready": "GET", "/metrics": "GET"}
+
+
+def _json(data: object, status: int = 200) -> Response:
+    return Response(status, json.dumps(data).encode())
+
+
+def error_response(exc: GatewayError) -> Response:
+    return Response(exc.status, exc.encoded(), headers=exc.headers)
 
 
 class Gateway:
-    """The gateway's parts, built from one config."""
+    """The gateway's parts, built from one config; `handle` answers every request the server parses."""
 
     def __init__(self, config: GatewayConfig, resolver: Resolver | None = None,
                  rng: random.Random | None = None) -> None:
@@ -42,145 +55,119 @@ class Gateway:
         self.proxy: Proxy | None = None
         self.health: HealthChecker | None = None
         self.discovery = [DnsDiscovery(self.router, d, self.resolver) for d in config.discovery]
+        self._ids = random.Random(os.urandom(16))  # request ids: unique, not secret; no syscall per request
+        self._session: aiohttp.ClientSession | None = None
+        self._pool: UpstreamPool | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._routes: dict[str, Route] = {
+            "/v1/completions": self._generation("completions"),
+            "/v1/chat/completions": self._generation("chat"),
+            "/v1/embeddings": self._generation("embeddings"),
+            "/v1/models": self._models,
+            "/health": self._health,
+            "/ready": self._ready,
+            "/metrics": self._metrics,
+        }
 
+    # -- lifecycle --------------------------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Open the replica clients and start the health checks and DNS discovery."""
+        self._pool = UpstreamPool(self.config.timeouts.connect_s)
+        self.proxy = Proxy(self.config, self.router, self._pool, self.metrics)
+        # the health checker passes its own total timeout per probe
+        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(
+            total=None, sock_connect=self.config.timeouts.connect_s, sock_read=None))
+        key = self.config.upstream_api_key
+        self.health = HealthChecker(self.router, self._session, self.config.health,
+                                    {"Authorization": f"Bearer {key}"} if key else {})
+        self._tasks = [asyncio.create_task(d.run(), name="dns-discovery") for d in self.discovery]
+        self._tasks.append(asyncio.create_task(self.health.run(), name="health-checks"))
 
-GATEWAY = web.AppKey("gateway", Gateway)
-
-
-def _gateway(request: web.Request) -> Gateway:
-    return request.app[GATEWAY]
-
-
-async def _read(request: web.Request) -> bytes:
-    try:
-        return await request.read()
-    except web.HTTPRequestEntityTooLarge:
-        limit = request.app[GATEWAY].config.max_body_bytes
-        raise GatewayError(413, f"the request body is larger than {limit} bytes",
-                           code="request_too_large") from None
-
-
-def _generation(endpoint: str) -> Handler:
-    async def handle(request: web.Request) -> web.StreamResponse:
-        gw = _gateway(request)
-        raw = await _read(request)
-        info = parse(raw, endpoint, gw.counter, gw.config.default_max_tokens)
-        assert gw.proxy is not None
-        return await gw.proxy.forward(request, raw, info)
-    return handle
-
-
-_OWN_METHODS = {"/v1/completions": "POST", "/v1/chat/completions": "POST", "/v1/embeddings": "POST",
-                "/v1/models": "GET"}
-
-
-async def other_v1(request: web.Request) -> web.StreamResponse:
-    """Any other /v1 path: to a replica serving the body's `model` when it names one, else to any."""
-    allowed = _OWN_METHODS.get(request.path.rstrip("/"))
-    if allowed:
-        raise GatewayError(405, f"{request.method} is not allowed on {request.path}; use {allowed}",
-                           code="method_not_allowed", headers={"Allow": allowed})
-    gw = _gateway(request)
-    raw = await _read(request)
-    assert gw.proxy is not None
-    return await gw.proxy.forward(request, raw, other_info(raw))
-
-
-async def models(request: web.Request) -> web.Response:
-    """The union of the healthy replicas' models."""
-    cards: dict[str, dict[str, object]] = {}
-    for replica in _gateway(request).router.healthy():
-        for model_id in sorted(replica.models):
-            cards.setdefault(model_id, replica.cards.get(model_id) or {"id": model_id, "object": "model"})
-    return web.json_response({"object": "list", "data": list(cards.values())})
-
-
-async def health(request: web.Request) -> web.Response:
-    return web.json_response({"status": "ok"})
-
-
-async def ready(request: web.Request) -> web.Response:
-    router = _gateway(request).router
-    healthy = [r.url for r in router.healthy()]
-    status = 200 if healthy else 503
-    return web.json_response({"ready": bool(healthy), "healthy_replicas": healthy,
-                              "replicas": len(router.replicas)}, status=status)
-
-
-async def metrics(request: web.Request) -> web.Response:
-    body = _gateway(request).metrics.render()
-    return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
-
-
-def _authorized(request: web.Request, keys: tuple[str, ...]) -> bool:
-    header = request.headers.get("Authorization", "")
-    token = header[7:] if header[:7].lower() == "bearer " else ""
-    return any(hmac.compare_digest(token.encode(), key.encode()) for key in keys)
-
-
-@web.middleware
-async def boundary(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Request ids, API keys, and every error turned into an OpenAI-style body with the right status."""
-    request_id = request.headers.get("x-request-id") or os.urandom(16).hex()
-    request[REQUEST_ID] = request_id
-    gw = request.app[GATEWAY]
-    try:
-        if gw.config.api_keys and request.path.startswith("/v1/") and not _authorized(request, gw.config.api_keys):
-            raise GatewayError(401, "Incorrect or missing API key: send `Authorization: Bearer <key>`",
-                               code="invalid_api_key")
-        response = await handler(request)
-    except GatewayError as exc:
-        response = exc.response()
-        if exc.status in (401, 429) or exc.status >= 500:
-            gw.metrics.rejections.labels(f"status_{exc.status}").inc()
-    except web.HTTPException as exc:  # the router's 404 and 405, aiohttp's own 4xx
-        if exc.status < 400:
-            raise
-        message = f"{request.method} {request.path}: {exc.reason}"
-        response = GatewayError(exc.status, message, code=exc.reason.lower().replace(" ", "_"),
-                                headers={k: v for k, v in exc.headers.items() if k == "Allow"}).response()
-    if not response.prepared:
-        response.headers["x-request-id"] = request_id
-    return response
-
-
-async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
-    """One pooled client session and the background tasks, created at start and closed at stop."""
-    gw = app[GATEWAY]
-    connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, enable_cleanup_closed=False)
-    # Connecting is bounded here; the proxy bounds the first byte and the gaps between chunks itself, and the
-    # health checker passes its own total timeout.
-    session = aiohttp.ClientSession(connector=connector, auto_decompress=False,
-                                    timeout=aiohttp.ClientTimeout(total=None, sock_connect=gw.config.timeouts.connect_s,
-                                                                  sock_read=None))
-    gw.proxy = Proxy(gw.config, gw.router, session, gw.metrics)
-    probe_headers = {"Authorization": f"Bearer {gw.config.upstream_api_key}"} if gw.config.upstream_api_key else {}
-    gw.health = HealthChecker(gw.router, session, gw.config.health, probe_headers)
-    tasks = [asyncio.create_task(d.run(), name="dns-discovery") for d in gw.discovery]
-    tasks.append(asyncio.create_task(gw.health.run(), name="health-checks"))
-    try:
-        yield
-    finally:
-        for task in tasks:
+    async def stop(self) -> None:
+        for task in self._tasks:
             task.cancel()
-        for task in tasks:
+        for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        await session.close()
+        if self.proxy is not None:
+            self.proxy.close()
+        if self._pool is not None:
+            self._pool.close()
+        if self._session is not None:
+            await self._session.close()
+
+    # -- the boundary -----------------------------------------------------------------------------------------
+    async def handle(self, request: Request, responder: Responder) -> Response | None:
+        """Request ids, API keys, routing, and every error as an OpenAI-style body with the right status."""
+        request_id = request.headers.get("x-request-id") or "%032x" % self._ids.getrandbits(128)
+        responder.headers["x-request-id"] = request_id
+        try:
+            if self.config.api_keys and request.path.startswith("/v1/") and not self._authorized(request):
+                raise GatewayError(401, "Incorrect or missing API key: send `Authorization: Bearer <key>`",
+                                   code="invalid_api_key")
+            route = self._routes.get(request.path)
+            allowed = _OWN_METHODS.get(request.path.rstrip("/"))
+            if allowed and request.method != allowed and not (allowed == "GET" and request.method == "HEAD"):
+                raise GatewayError(405, f"{request.method} is not allowed on {request.path}; use {allowed}",
+                                   code="method_not_allowed", headers={"Allow": allowed})
+            if route is None:
+                if not request.path.startswith("/v1/"):
+                    raise GatewayError(404, f"{request.method} {request.path}: Not Found", code="not_found")
+                route = self._other_v1
+            return await route(request, responder, request_id)
+        except GatewayError as exc:
+            if exc.status in (401, 429) or exc.status >= 500:
+                self.metrics.rejections.labels(f"status_{exc.status}").inc()
+            return error_response(exc)
+
+    def _authorized(self, request: Request) -> bool:
+        header = request.headers.get("authorization", "")
+        token = header[7:] if header[:7].lower() == "bearer " else ""
+        return any(hmac.compare_digest(token.encode(), key.encode()) for key in self.config.api_keys)
+
+    # -- routes -----------------------------------------------------------------------------------------------
+    def _generation(self, endpoint: str) -> Route:
+        async def handle(request: Request, responder: Responder, request_id: str) -> Response | None:
+            info = parse(request.body, endpoint, self.counter, self.config.default_max_tokens)
+            assert self.proxy is not None
+            return await self.proxy.forward(request, responder, info, request_id)
+        return handle
+
+    async def _other_v1(self, request: Request, responder: Responder, request_id: str) -> Response | None:
+        """Any other /v1 path: to a replica serving the body's `model` when it names one, else to any."""
+        assert self.proxy is not None
+        return await self.proxy.forward(request, responder, other_info(request.body), request_id)
+
+    async def _models(self, request: Request, responder: Responder, request_id: str) -> Response:
+        """The union of the healthy replicas' models."""
+        cards: dict[str, dict[str, object]] = {}
+        for replica in self.router.healthy():
+            for model_id in sorted(replica.models):
+                cards.setdefault(model_id, replica.cards.get(model_id) or {"id": model_id, "object": "model"})
+        return _json({"object": "list", "data": list(cards.values())})
+
+    async def _health(self, request: Request, responder: Responder, request_id: str) -> Response:
+        return _json({"status": "ok"})
+
+    async def _ready(self, request: Request, responder: Responder, request_id: str) -> Response:
+        healthy = [r.url for r in self.router.healthy()]
+        return _json({"ready": bool(healthy), "healthy_replicas": healthy, "replicas": len(self.router.replicas)},
+                     200 if healthy else 503)
+
+    async def _metrics(self, request: Request, responder: Responder, request_id: str) -> Response:
+        return Response(200, self.metrics.render(), "text/plain; version=0.0.4; charset=utf-8")
 
 
-def make_app(config: GatewayConfig, resolver: Resolver | None = None,
-             rng: random.Random | None = None) -> web.Application:
-    """The gateway as an aiohttp application."""
-    app = web.Application(client_max_size=config.max_body_bytes, middlewares=[boundary])
-    app[GATEWAY] = Gateway(config, resolver, rng)
-    app.cleanup_ctx.append(_lifecycle)
-    app.router.add_post("/v1/completions", _generation("completions"))
-    app.router.add_post("/v1/chat/completions", _generation("chat"))
-    app.router.add_post("/v1/embeddings", _generation("embeddings"))
-    app.router.add_get("/v1/models", models)
-    app.router.add_route("*", "/v1/{tail:.*}", other_v1)
-    app.router.add_get("/health", health)
-    app.router.add_get("/ready", ready)
-    app.router.add_get("/metrics", metrics)
-    return app
+@contextlib.asynccontextmanager
+async def running(config: GatewayConfig, resolver: Resolver | None = None, rng: random.Random | None = None,
+                  grace_s: float = 30.0) -> AsyncIterator[tuple[Gateway, int]]:
+    """The gateway serving on `config.host`:`config.port` (the bound port is yielded: useful with port 0)."""
+    gateway = Gateway(config, resolver, rng)
+    await gateway.start()
+    server = HttpServer(gateway.handle, config.max_body_bytes)
+    try:
+        port = await server.start(config.host, config.port)
+        yield gateway, port
+    finally:
+        await server.close(grace_s)
+        await gateway.stop()

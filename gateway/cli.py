@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
+import signal
 import sys
 from collections.abc import Sequence
 from typing import Any
-
-from aiohttp import web
 
 from .config import POLICY_NAMES, ConfigError, GatewayConfig, from_mapping, load_yaml
 
@@ -54,12 +54,25 @@ def build_config(args: argparse.Namespace) -> GatewayConfig:
 def serve(config: GatewayConfig) -> None:
     import uvloop
 
-    from .app import make_app
+    try:
+        uvloop.run(_serve(config))
+    except OSError as exc:  # the address is taken, or not ours to listen on
+        sys.exit(f"gateway: cannot serve on {config.host}:{config.port}: {exc.strerror or exc}")
 
-    logger.info("gateway on %s:%d, policy %s, replicas %s", config.host, config.port, config.policy,
-                ", ".join(r.url for r in config.replicas) or "(from DNS)")
-    web.run_app(make_app(config), host=config.host, port=config.port, access_log=None,
-                handler_cancellation=True, loop=uvloop.new_event_loop(), print=None)
+
+async def _serve(config: GatewayConfig) -> None:
+    """Serve until SIGINT or SIGTERM, then stop gracefully (requests in flight get up to 30 s to finish)."""
+    from .app import running
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    async with running(config) as (_, port):
+        logger.info("gateway on %s:%d, policy %s, replicas %s", config.host, port, config.policy,
+                    ", ".join(r.url for r in config.replicas) or "(from DNS)")
+        await stop.wait()
+        logger.info("stopping: finishing the requests in flight")
 
 
 def main(argv: Sequence[str] | None = None) -> None:

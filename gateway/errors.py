@@ -11,8 +11,6 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from aiohttp import web
-
 _TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
@@ -40,12 +38,12 @@ class GatewayError(Exception):
         kind = _TYPES.get(self.status, "server_error" if self.status >= 500 else "invalid_request_error")
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
 
-    def response(self) -> web.Response:
-        return web.json_response(self.body(), status=self.status, headers=self.headers)
+    def encoded(self) -> bytes:
+        return json.dumps(self.body()).encode()
 
     def sse_event(self) -> bytes:
         """The error as a final SSE event, for a stream that has already started."""
-        return b"data: " + json.dumps(self.body()).encode() + b"\n\n"
+        return b"data: " + self.encoded() + b"\n\n"
 
 
 def bad_request(message: str, param: str | None = None) -> GatewayError:

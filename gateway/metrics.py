@@ -52,6 +52,26 @@ class Metrics:
         self.rejections = Counter("gateway_rejections", "Requests refused, by reason", ["reason"],
                                   registry=self.registry)
         self.registry.register(_LiveState(router))
+        # labelled children, looked up once (`labels()` takes a lock and builds a key on every call)
+        self._answered: dict[tuple[str, str, int], tuple[Counter, Histogram]] = {}
+        self._ttft: dict[tuple[str, str], Histogram] = {}
+
+    def answered(self, replica: str, model: str, status: int, seconds: float) -> None:
+        """One request answered by `replica`: count it and observe its duration."""
+        key = (replica, model, status)
+        children = self._answered.get(key)
+        if children is None:
+            children = self._answered[key] = (self.requests.labels(replica, model, str(status)),
+                                              self.latency.labels(replica, model))
+        children[0].inc()
+        children[1].observe(seconds)
+
+    def first_token(self, replica: str, model: str, seconds: float) -> None:
+        """A stream's first token reached the gateway `seconds` after the request did."""
+        child = self._ttft.get((replica, model))
+        if child is None:
+            child = self._ttft[(replica, model)] = self.ttft.labels(replica, model)
+        child.observe(seconds)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

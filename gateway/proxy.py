@@ -3,17 +3,14 @@
 Before anything reaches the client, a refused connection, a 502/503, a timeout or a dropped connection is retried
 on another replica, bounded in attempts and time. Once bytes have reached the client nothing is retried: a replica
 that dies mid-stream gets the client a final SSE error event and a clean end of stream. A client that goes away
-closes the upstream connection at once, so vLLM aborts the request and frees its KV cache.
+cancels the handler (server.py), which closes the upstream connection at once, so vLLM aborts the request and frees
+its KV cache.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
-
-import aiohttp
-from aiohttp import web
 
 from .config import GatewayConfig
 from .errors import GatewayError
@@ -22,25 +19,13 @@ from .metrics import Metrics
 from .parsing import RequestInfo
 from .replicas import Lease
 from .router import Router
+from .server import Request, Responder, Response
+from .upstream import Origin, UpstreamPool, UpstreamResponse
 
 logger = logging.getLogger(__name__)
 
-REQUEST_ID = web.RequestKey("request_id", str)
 _SSE_EVENT = b"data:"
-_UPSTREAM_ERRORS = (aiohttp.ClientError, ConnectionError, TimeoutError)
 _RETRY_STATUSES = (502, 503)
-
-
-@dataclass
-class _Upstream:
-    """A replica's answer so far: its head, and the first chunk (streaming) or the whole body."""
-
-    response: aiohttp.ClientResponse
-    first: bytes
-
-    @property
-    def streaming(self) -> bool:
-        return self.response.status == 200 and self.response.content_type == "text/event-stream"
 
 
 class _Retryable(Exception):
@@ -53,78 +38,97 @@ class _Retryable(Exception):
         self.eject_reason = eject_reason
 
 
+def _timed_out(url: str) -> _Retryable:
+    return _Retryable("timeout", 504, f"replica {url} timed out before the first byte", "timed out before the first byte")
+
+
 def _retryable(exc: BaseException, url: str) -> _Retryable:
-    """A failure before the first byte, as the retryable error it is (timeouts first: some are also ClientErrors)."""
+    """A failure before the first byte, as the retryable error it is (timeouts first: they are also OSErrors)."""
     if isinstance(exc, _Retryable):
         return exc
     if isinstance(exc, TimeoutError):
-        return _Retryable("timeout", 504, f"replica {url} timed out before the first byte",
-                          "timed out before the first byte")
-    return _Retryable("connection", 502, f"replica {url} failed: {exc}", repr(exc))
+        return _timed_out(url)
+    return _Retryable("connection", 502, f"replica {url} failed: {exc!r}", repr(exc))
 
 
 class Proxy:
     """Relays requests to the replicas the router picks."""
 
-    def __init__(self, config: GatewayConfig, router: Router, session: aiohttp.ClientSession,
-                 metrics: Metrics) -> None:
+    def __init__(self, config: GatewayConfig, router: Router, pool: UpstreamPool, metrics: Metrics) -> None:
         self._config = config
         self._router = router
-        self._session = session
+        self._pool = pool
         self._metrics = metrics
-        self._headers = {"Content-Type": "application/json"}
+        self._origins: dict[str, Origin] = {}
+        timeouts = config.timeouts
+        self._watchdogs = _Watchdogs(max(0.01, min(1.0, timeouts.first_byte_s / 10, timeouts.idle_s / 10)))
+        self._headers = b"Content-Type: application/json\r\n"
         if config.upstream_api_key:
-            self._headers["Authorization"] = f"Bearer {config.upstream_api_key}"
+            self._headers += f"Authorization: Bearer {config.upstream_api_key}\r\n".encode("latin-1")
 
-    async def forward(self, request: web.Request, raw: bytes, info: RequestInfo) -> web.StreamResponse:
-        """Send `raw` to a replica (retrying on another while that is safe) and relay its answer."""
+    async def forward(self, request: Request, responder: Responder, info: RequestInfo,
+                      request_id: str) -> Response | None:
+        """Send the body to a replica (retrying on another while that is safe) and relay its answer."""
         loop = asyncio.get_running_loop()
         started = loop.time()
         deadline = started + self._config.retry.max_time_s
-        tried: set[str] = set()
+        tried: frozenset[str] = frozenset()
         attempts = self._config.retry.max_attempts
         for attempt in range(1, attempts + 1):
-            lease = await self._router.acquire(info, frozenset(tried))
+            lease = await self._router.acquire(info, tried)
+            watch = self._watchdogs.watch(self._config.timeouts.first_byte_s)
+            upstream: UpstreamResponse | None = None
             try:
-                upstream = await self._send(request, raw, lease, info)
+                upstream, first = await self._send(request, lease, info, request_id, watch)
+                return await self._relay(responder, upstream, first, lease, info, started, watch)
             except _Retryable as exc:
-                lease.release()
-                tried.add(lease.replica.url)
+                tried = tried | {lease.replica.url}
                 if attempt == attempts or loop.time() >= deadline:
                     self._metrics.rejections.labels(exc.reason).inc()
                     raise GatewayError(exc.status, f"{exc} (after {attempt} attempt(s))",
                                        code="upstream_error") from None
                 self._metrics.retries.labels(exc.reason).inc()
-                continue
-            except BaseException:
-                lease.release()
-                raise
-            try:
-                return await self._relay(request, upstream, lease, info, started)
             finally:
+                self._watchdogs.done(watch)
                 lease.release()
-                upstream.response.close()
+                if upstream is not None:
+                    upstream.close()
         raise AssertionError("unreachable: the loop returns or raises")
 
-    async def _send(self, request: web.Request, raw: bytes, lease: Lease, info: RequestInfo) -> _Upstream:
-        """The replica's head and first chunk (or whole body), within the first-byte timeout.
+    def close(self) -> None:
+        self._watchdogs.close()
 
-        Connecting is bounded by the session's `sock_connect` (timeouts.connect_s), set once in app.py.
-        """
+    def _origin(self, url: str) -> Origin:
+        origin = self._origins.get(url)
+        if origin is None:
+            origin = self._origins[url] = Origin.from_url(url)
+        return origin
+
+    async def _send(self, request: Request, lease: Lease, info: RequestInfo, request_id: str,
+                    watch: _Watch) -> tuple[UpstreamResponse, bytes]:
+        """The replica's answer and its first chunk (or whole body), within the first-byte timeout."""
         replica = lease.replica
-        response: aiohttp.ClientResponse | None = None
+        origin = self._origin(replica.url)
+        head = b"%b %b HTTP/1.1\r\nHost: %b\r\nContent-Length: %d\r\nX-Request-Id: %b\r\n%b\r\n" % (
+            request.method.encode("latin-1"), request.target.encode("latin-1"), origin.host_header,
+            len(request.body), request_id.encode("latin-1"), self._headers)
+        response: UpstreamResponse | None = None
         try:
-            async with asyncio.timeout(self._config.timeouts.first_byte_s):
-                response = await self._session.request(request.method, replica.url + request.path_qs,
-                                                       data=raw or None, headers=self._headers)
+            try:
+                response = await self._pool.request(origin, head, request.body)
                 if response.status in _RETRY_STATUSES:
                     raise _Retryable(f"status_{response.status}", 502,
                                      f"replica {replica.url} answered {response.status}")
                 if response.status == 200 and info.stream and response.content_type == "text/event-stream":
-                    first = await response.content.readany()
+                    first = await response.readany()
                 else:
                     first = await response.read()
-        except (_Retryable, *_UPSTREAM_ERRORS) as exc:
+            except asyncio.CancelledError:
+                if not watch.expired:
+                    raise  # the client went away, or the gateway is stopping
+                asyncio.current_task().uncancel()  # type: ignore[union-attr]
+                raise _timed_out(replica.url) from None
+        except (_Retryable, OSError) as exc:
             if response is not None:
                 response.close()
             failure = _retryable(exc, replica.url)
@@ -132,94 +136,116 @@ class Proxy:
             raise failure from None
         if response.status >= 500:
             eject(replica, f"answered {response.status}")
-        return _Upstream(response, first)
+        return response, first
 
-    def _head(self, request: web.Request, upstream: _Upstream, lease: Lease) -> dict[str, str]:
-        return {
-            "Content-Type": upstream.response.headers.get("Content-Type", "application/json"),
-            "x-gateway-replica": lease.replica.url,
-            "x-request-id": request[REQUEST_ID],
-        }
-
-    async def _relay(self, request: web.Request, upstream: _Upstream, lease: Lease, info: RequestInfo,
-                     started: float) -> web.StreamResponse:
-        status = upstream.response.status
-        labels = (lease.replica.url, info.model)
-        headers = self._head(request, upstream, lease)
-        response: web.StreamResponse
-        if not upstream.streaming:
-            response = web.Response(body=upstream.first, status=status, headers=headers)
+    async def _relay(self, responder: Responder, upstream: UpstreamResponse, first: bytes, lease: Lease,
+                     info: RequestInfo, started: float, watch: _Watch) -> Response | None:
+        status = upstream.status
+        content_type = upstream.headers.get("content-type", "application/json")
+        headers = {"x-gateway-replica": lease.replica.url}
+        response: Response | None = None
+        if status == 200 and info.stream and upstream.content_type == "text/event-stream":
+            responder.start(status, headers, content_type)
+            await self._stream(responder, upstream, first, lease, info, started, watch)
         else:
-            response = await self._stream(request, upstream, lease, headers, started, labels)
-        self._metrics.requests.labels(*labels, str(status)).inc()
-        self._metrics.latency.labels(*labels).observe(asyncio.get_running_loop().time() - started)
+            response = Response(status, first, content_type, headers)
+        self._metrics.answered(lease.replica.url, info.model, status, asyncio.get_running_loop().time() - started)
         return response
 
-    async def _stream(self, request: web.Request, upstream: _Upstream, lease: Lease, headers: dict[str, str],
-                      started: float, labels: tuple[str, str]) -> web.StreamResponse:
+    async def _stream(self, responder: Responder, upstream: UpstreamResponse, data: bytes, lease: Lease,
+                      info: RequestInfo, started: float, watch: _Watch) -> None:
         loop = asyncio.get_running_loop()
-        response = web.StreamResponse(headers=headers)
-        response.enable_chunked_encoding()
-        await response.prepare(request)
-        data = upstream.first
         if data:
-            self._metrics.ttft.labels(*labels).observe(loop.time() - started)
+            self._metrics.first_token(lease.replica.url, info.model, loop.time() - started)
             lease.first_token()
-        content = upstream.response.content
-        watch = _IdleWatch(loop, self._config.timeouts.idle_s)
+        self._watchdogs.rearm(watch, self._config.timeouts.idle_s)
         failure = ""
         try:
             while data:
                 lease.tokens(data.count(_SSE_EVENT))
-                await response.write(data)
-                data = await content.readany()
+                watch.paused = True  # a slow client is not a stalled replica
+                await responder.send(data)
+                watch.paused = False
+                data = await upstream.readany()
                 watch.last = loop.time()
         except asyncio.CancelledError:
             if not watch.expired:
-                raise  # the client went away (handler cancellation) or the server is stopping
+                raise  # the client went away, or the gateway is stopping
             asyncio.current_task().uncancel()  # type: ignore[union-attr]
             failure = f"stalled for {self._config.timeouts.idle_s:g} s"
-        except (*_UPSTREAM_ERRORS, asyncio.IncompleteReadError) as exc:
-            if request.transport is None or request.transport.is_closing():
+        except OSError as exc:
+            if responder.client_gone:
                 logger.debug("client went away mid-stream from %s", lease.replica.url)
-                return response
+                return
             failure = f"failed: {exc!r}"
-        finally:
-            watch.close()
+        self._watchdogs.done(watch)
         try:
             if failure:
                 eject(lease.replica, f"stream {failure}")
                 error = GatewayError(502, f"the replica serving this stream {failure}; the response is incomplete",
                                      code="upstream_stream_error")
-                await response.write(error.sse_event())
-            await response.write_eof()
-        except ConnectionResetError:
+                await responder.send(error.sse_event())
+            await responder.finish()
+        except ConnectionError:
             logger.debug("client went away at the end of a stream from %s", lease.replica.url)
-        return response
 
 
-class _IdleWatch:
-    """Cancels the current task when `last` is older than `idle_s`.
+class _Watch:
+    """One request's timeout: `limit` seconds allowed since `last` (its latest sign of progress)."""
 
-    One timestamp per chunk instead of re-arming a timer per chunk (asyncio.timeout's reschedule cost about a
-    tenth of the gateway's CPU on paced streams, measured with py-spy).
+    __slots__ = ("task", "limit", "last", "expired", "paused")
+
+    def __init__(self, task: asyncio.Task[object] | None, limit: float, now: float) -> None:
+        self.task = task
+        self.limit = limit
+        self.last = now
+        self.expired = False
+        self.paused = False
+
+
+class _Watchdogs:
+    """Cancels requests that made no progress for their limit; one timer checks them all.
+
+    A timer per request (asyncio.timeout, or call_at and cancel) cost more at 100 requests/s than the request's
+    routing and accounting together (py-spy); this one ticks every `tick_s` while requests are in flight, so a
+    timeout fires within `tick_s` after its limit.
     """
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, idle_s: float) -> None:
-        self._loop = loop
-        self._idle_s = idle_s
-        self._task = asyncio.current_task()
-        self.last = loop.time()
-        self.expired = False
-        self._handle = loop.call_at(self.last + idle_s, self._check)
+    def __init__(self, tick_s: float) -> None:
+        self._tick_s = tick_s
+        self._active: set[_Watch] = set()
+        self._handle: asyncio.TimerHandle | None = None
 
-    def _check(self) -> None:
-        deadline = self.last + self._idle_s
-        if self._loop.time() < deadline:
-            self._handle = self._loop.call_at(deadline, self._check)
-        elif self._task is not None:
-            self.expired = True
-            self._task.cancel()
+    def watch(self, limit: float) -> _Watch:
+        loop = asyncio.get_running_loop()
+        watch = _Watch(asyncio.current_task(), limit, loop.time())
+        self._active.add(watch)
+        if self._handle is None:
+            self._handle = loop.call_later(self._tick_s, self._tick)
+        return watch
+
+    @staticmethod
+    def rearm(watch: _Watch, limit: float) -> None:
+        """From now on, allow `limit` seconds between two signs of progress."""
+        watch.limit = limit
+        watch.last = asyncio.get_running_loop().time()
+
+    def done(self, watch: _Watch) -> None:
+        self._active.discard(watch)
+
+    def _tick(self) -> None:
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        for watch in list(self._active):
+            if watch.paused:
+                watch.last = now
+            elif now - watch.last >= watch.limit and watch.task is not None:
+                watch.expired = True
+                self._active.discard(watch)
+                watch.task.cancel()
+        self._handle = loop.call_later(self._tick_s, self._tick) if self._active else None
 
     def close(self) -> None:
-        self._handle.cancel()
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None

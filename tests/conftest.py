@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import socket
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 import pytest
-from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from gateway.app import GATEWAY, Gateway, make_app
+from gateway.app import Gateway, running
 from gateway.config import from_mapping
 from tests.fake_replica import BEHAVIOR, STATS, FakeBehavior, FakeStats, make_app as make_fake
 
@@ -31,12 +31,12 @@ class Fake:
 
 @dataclass
 class GatewayUnderTest:
-    server: TestServer
+    port: int
     gateway: Gateway
 
     @property
     def url(self) -> str:
-        return str(self.server.make_url("")).rstrip("/")
+        return f"http://127.0.0.1:{self.port}"
 
     @property
     def base_url(self) -> str:
@@ -58,18 +58,17 @@ def fake_replica(aiohttp_server: Any) -> FakeFactory:
 
 
 @pytest.fixture
-def gateway_for(aiohttp_server: Any) -> GatewayFactory:
+async def gateway_for() -> AsyncIterator[GatewayFactory]:
     """Start a gateway in front of the given replica URLs (or replica mappings), probed once before it returns."""
-    async def start(replicas: list[Any], **settings: Any) -> GatewayUnderTest:
-        settings.setdefault("health", {"interval_s": 60, "timeout_s": 1})
-        config = from_mapping({"replicas": replicas, "port": 0, **settings})
-        app: web.Application = make_app(config)
-        server = await aiohttp_server(app)
-        gateway = app[GATEWAY]
-        assert gateway.health is not None
-        await gateway.health.probe_all()
-        return GatewayUnderTest(server, gateway)
-    return start
+    async with contextlib.AsyncExitStack() as stack:
+        async def start(replicas: list[Any], **settings: Any) -> GatewayUnderTest:
+            settings.setdefault("health", {"interval_s": 60, "timeout_s": 1})
+            config = from_mapping({"replicas": replicas, "host": "127.0.0.1", "port": 0, **settings})
+            gateway, port = await stack.enter_async_context(running(config, grace_s=1))
+            assert gateway.health is not None
+            await gateway.health.probe_all()
+            return GatewayUnderTest(port, gateway)
+        yield start
 
 
 def port_bound(port: int) -> bool:

@@ -1,0 +1,299 @@
+"""The gateway's client to the replicas: pooled keep-alive HTTP/1.1 connections, parsed with httptools.
+
+One pool per gateway, one idle list per replica (most recently used first: its caches are warm). A connection
+goes back to the pool only when its response was read to the end and the replica kept it alive; one idle longer
+than `idle_s` is closed instead of reused, so it is never one the replica is closing (vLLM's server, uvicorn,
+closes idle connections after 5 s). A reused connection that fails before any byte of the answer is retried once on
+a new one: the replica closed it while idle and never saw the request. Read timeouts are the caller's (the proxy's
+watchdog); connecting is bounded here by `connect_s`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import ssl
+from collections import deque
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+from typing import cast
+
+import httptools
+
+_PAUSE_AT = 256 * 1024  # stop reading from a replica while this much of its answer waits for the client
+
+
+@dataclass(frozen=True, slots=True)
+class Origin:
+    """Where a replica listens, parsed once from its URL."""
+
+    scheme: str
+    host: str
+    port: int
+    host_header: bytes  # what a request to it sends as `Host`
+
+    @classmethod
+    def from_url(cls, url: str) -> Origin:
+        parts = urlsplit(url)
+        scheme = parts.scheme or "http"
+        host = parts.hostname or ""
+        default = 443 if scheme == "https" else 80
+        port = parts.port or default
+        shown = f"[{host}]" if ":" in host else host
+        return cls(scheme, host, port, (shown if port == default else f"{shown}:{port}").encode("idna"))
+
+
+class _Connection(asyncio.Protocol):
+    """One connection to a replica, carrying one request at a time."""
+
+    def __init__(self, pool: UpstreamPool, origin: Origin) -> None:
+        self._pool = pool
+        self.origin = origin
+        self._loop = asyncio.get_running_loop()
+        self._parser = httptools.HttpResponseParser(self)
+        self.transport: asyncio.Transport | None = None
+        self.head: asyncio.Future[None] | None = None
+        self.headers: dict[str, str] = {}
+        self.status = 0
+        self.chunks: deque[bytes] = deque()
+        self.buffered = 0
+        self.paused = False  # reading, while the caller catches up
+        self.complete = False
+        self.keep_alive = False
+        self.received = False  # any byte of the current answer
+        self.error: Exception | None = None
+        self.idle_since = 0.0
+        self._waiter: asyncio.Future[None] | None = None
+        self._framed = False  # the answer has a length or chunked encoding (else it ends with the connection)
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's transports are not asyncio.Transport subclasses
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def send(self, data: bytes) -> None:
+        assert self.transport is not None
+        self.head = self._loop.create_future()
+        self.headers, self.status, self.complete, self.keep_alive, self.received = {}, 0, False, False, False
+        self.buffered = 0
+        self._resume()
+        self.transport.write(data)
+
+    def data_received(self, data: bytes) -> None:
+        self.received = True
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            self._fail(ConnectionError(f"malformed HTTP from the replica: {exc}"))
+            self.close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._pool.forget(self)
+        if self.head is not None and self.head.done() and not self._framed and not self.complete:
+            self.complete = True  # an answer without length or chunking ends with the connection
+            self._wake()
+        self._fail(exc or ConnectionResetError("the replica closed the connection"))
+        self.transport = None
+
+    # -- httptools callbacks ----------------------------------------------------------------------------------
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers[name.decode("latin-1").lower()] = value.decode("latin-1")
+
+    def on_headers_complete(self) -> None:
+        self.status = self._parser.get_status_code()
+        if 100 <= self.status < 200:
+            self.headers = {}  # an interim answer (100 Continue): the real head follows
+            return
+        self._framed = "content-length" in self.headers or "chunked" in self.headers.get("transfer-encoding", "")
+        if self.head is not None and not self.head.done():
+            self.head.set_result(None)
+
+    def on_body(self, body: bytes) -> None:
+        self.chunks.append(body)
+        self.buffered += len(body)
+        if self.buffered > _PAUSE_AT and not self.paused and self.transport is not None:
+            self.paused = True
+            self.transport.pause_reading()
+        self._wake()
+
+    def on_message_complete(self) -> None:
+        if 100 <= self.status < 200:
+            return
+        self.complete = True
+        self.keep_alive = self._parser.should_keep_alive()  # only true inside this callback
+        self._wake()
+
+    # -- reading ----------------------------------------------------------------------------------------------
+    async def next_chunk(self) -> bytes:
+        """What has arrived of the body since the last call (waiting for some); b"" at its end."""
+        while not self.chunks:
+            if self.complete:
+                return b""
+            if self.error is not None:
+                raise self.error
+            self._waiter = self._loop.create_future()
+            await self._waiter
+        data = self.chunks.popleft() if len(self.chunks) == 1 else b"".join(self._drain_chunks())
+        self.buffered = 0
+        self._resume()
+        return data
+
+    def _resume(self) -> None:
+        if self.paused and self.transport is not None:
+            self.paused = False
+            self.transport.resume_reading()
+
+    def _drain_chunks(self) -> list[bytes]:
+        chunks = list(self.chunks)
+        self.chunks.clear()
+        return chunks
+
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    def _fail(self, exc: Exception) -> None:
+        if self.error is None and not self.complete:
+            self.error = exc
+        if self.head is not None and not self.head.done():
+            self.head.set_exception(self.error or exc)
+            self.head.exception()  # retrieved here; the caller sees it through `await head`
+        self._wake()
+
+    @property
+    def reusable(self) -> bool:
+        return (self.complete and self.error is None and self.transport is not None
+                and not self.transport.is_closing() and self.keep_alive)
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+
+
+class UpstreamResponse:
+    """A replica's answer: status and headers at once, the body read whole or chunk by chunk."""
+
+    __slots__ = ("_conn", "_pool", "status", "headers", "_closed")
+
+    def __init__(self, conn: _Connection, pool: UpstreamPool) -> None:
+        self._conn = conn
+        self._pool = pool
+        self.status = conn.status
+        self.headers = conn.headers
+        self._closed = False
+
+    @property
+    def content_type(self) -> str:
+        """The media type, without parameters, lower-case."""
+        return self.headers.get("content-type", "").partition(";")[0].strip().lower()
+
+    async def readany(self) -> bytes:
+        """The next part of the body that has arrived; b"" at its end."""
+        return await self._conn.next_chunk()
+
+    async def read(self) -> bytes:
+        """The whole body."""
+        conn = self._conn
+        if conn.complete and len(conn.chunks) <= 1:  # usually: a small answer arrives with its head
+            return conn.chunks.popleft() if conn.chunks else b""
+        parts = []
+        while chunk := await self._conn.next_chunk():
+            parts.append(chunk)
+        return b"".join(parts)
+
+    def close(self) -> None:
+        """Give the connection back when the answer was read to its end; otherwise close it (aborting the request)."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._conn.reusable and not self._conn.chunks:
+            self._pool.put(self._conn)
+        else:
+            self._conn.close()
+
+
+class UpstreamPool:
+    """Keep-alive connections to the replicas."""
+
+    def __init__(self, connect_s: float, idle_s: float = 4.0, ssl_context: ssl.SSLContext | None = None) -> None:
+        self._connect_s = connect_s
+        self._idle_s = idle_s
+        self._ssl = ssl_context
+        self._idle: dict[Origin, list[_Connection]] = {}
+        self._closed = False
+
+    async def request(self, origin: Origin, head: bytes, body: bytes) -> UpstreamResponse:
+        """Send one request (`head` is its request line and headers, ending in a blank line); wait for its head."""
+        conn = self._take(origin)
+        if conn is not None:
+            conn.send(head + body)
+            try:
+                await self._wait_head(conn)
+                return UpstreamResponse(conn, self)
+            except OSError:
+                if conn.received:
+                    raise
+                conn.close()  # closed by the replica while idle: it never saw the request
+        conn = await self._connect(origin)
+        conn.send(head + body)
+        try:
+            await self._wait_head(conn)
+        except BaseException:
+            conn.close()
+            raise
+        return UpstreamResponse(conn, self)
+
+    @staticmethod
+    async def _wait_head(conn: _Connection) -> None:
+        assert conn.head is not None
+        try:
+            await conn.head
+        except asyncio.CancelledError:
+            conn.close()
+            raise
+
+    def _take(self, origin: Origin) -> _Connection | None:
+        idle = self._idle.get(origin)
+        if not idle:
+            return None
+        now = asyncio.get_running_loop().time()
+        while idle:
+            conn = idle.pop()
+            if now - conn.idle_since < self._idle_s and conn.transport is not None and not conn.transport.is_closing():
+                return conn
+            conn.close()
+        return None
+
+    async def _connect(self, origin: Origin) -> _Connection:
+        loop = asyncio.get_running_loop()
+        context = None
+        if origin.scheme == "https":
+            if self._ssl is None:
+                self._ssl = ssl.create_default_context()
+            context = self._ssl
+        async with asyncio.timeout(self._connect_s):
+            _, conn = await loop.create_connection(lambda: _Connection(self, origin), origin.host, origin.port,
+                                                   ssl=context, server_hostname=origin.host if context else None)
+        return conn
+
+    def put(self, conn: _Connection) -> None:
+        if self._closed:
+            conn.close()
+            return
+        conn.idle_since = asyncio.get_running_loop().time()
+        conn.head = None
+        self._idle.setdefault(conn.origin, []).append(conn)
+
+    def forget(self, conn: _Connection) -> None:
+        idle = self._idle.get(conn.origin)
+        if idle and conn in idle:
+            idle.remove(conn)
+
+    def close(self) -> None:
+        """Close every idle connection; connections in use close when their requests end."""
+        self._closed = True
+        for idle in self._idle.values():
+            for conn in idle:
+                conn.close()
+        self._idle.clear()
