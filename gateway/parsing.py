@@ -7,6 +7,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 from .errors import GatewayError, bad_request
 from .tokens import CHAT_TOKENS_PER_MESSAGE, TokenCounter
 
@@ -22,10 +24,10 @@ class RequestInfo:
 
 
 def load_json(raw: bytes) -> dict[str, Any]:
-    """The body as a JSON object, or a 400."""
+    """The body as a JSON object, or a 400 (msgspec: json.loads from bytes took half the parse time, measured)."""
     try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        body = msgspec.json.decode(raw)
+    except msgspec.MsgspecError as exc:
         raise bad_request(f"the request body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
@@ -118,8 +120,8 @@ def other_info(raw: bytes) -> RequestInfo:
     model = ""
     if raw:
         try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError):
+            body = msgspec.json.decode(raw)
+        except msgspec.MsgspecError:
             body = None
         if isinstance(body, dict) and isinstance(body.get("model"), str):
             model = body["model"]

@@ -34,6 +34,7 @@ logger = logging.getLogger(__name__)
 _REASONS = {s.value: s.phrase.encode() for s in HTTPStatus}
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 _MAX_PIPELINED = 16  # stop reading from a client that queues more requests than this
+_MAX_HEAD = 64 * 1024  # request line and headers; httptools itself sets no bound
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,6 +126,7 @@ class _Connection(asyncio.Protocol):
         self._drain: asyncio.Future[None] | None = None
         self._paused = False
         self._discarding = False  # refused a request: read and drop the rest, then close
+        self._head_size = 0  # bytes of the current request's head so far (-1 once it is complete)
         self._last = self._loop.time()
         self._idle = self._loop.call_at(self._last + server.keepalive_s, self._check_idle)
         self.closing = False
@@ -139,6 +141,12 @@ class _Connection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self._last = self._loop.time()
+        if self._head_size >= 0:
+            self._head_size += len(data)
+            if self._head_size > _MAX_HEAD:
+                self._refuse(431, f"the request line and headers are larger than {_MAX_HEAD} bytes",
+                             "request_header_fields_too_large")
+                return
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -165,6 +173,7 @@ class _Connection(asyncio.Protocol):
     # -- httptools callbacks ----------------------------------------------------------------------------------
     def on_message_begin(self) -> None:
         self._url, self._headers, self._body, self._size = b"", {}, [], 0
+        self._head_size = 0
 
     def on_url(self, url: bytes) -> None:
         self._url += url
@@ -173,6 +182,7 @@ class _Connection(asyncio.Protocol):
         self._headers[name.decode("latin-1").lower()] = value.decode("latin-1")
 
     def on_headers_complete(self) -> None:
+        self._head_size = -1
         if self._discarding:
             return
         length = self._headers.get("content-length", "")
@@ -191,6 +201,7 @@ class _Connection(asyncio.Protocol):
             self._body.append(body)
 
     def on_message_complete(self) -> None:
+        self._head_size = 0  # counting again: what follows is the next request's head
         if self._discarding:
             self.close()
             return
@@ -291,6 +302,10 @@ class _Connection(asyncio.Protocol):
 
     def _too_large(self) -> None:
         """413 at once; the rest of the body is read and dropped so the client sees the answer, not a reset."""
+        if self._busy or self._queue:  # pipelined behind a response in progress: no room to answer in order
+            self._discarding = True
+            self.close()
+            return
         message = f"the request body is larger than {self._server.max_body} bytes"
         body = error_body(413, message, "request_too_large")
         assert self._transport is not None

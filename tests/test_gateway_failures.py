@@ -167,3 +167,19 @@ async def test_ejected_replica_comes_back_after_a_good_probe(fake_replica: FakeF
             await asyncio.sleep(0.02)
         async with session.post(gw.base_url + "/completions", json=BODY) as resp:
             assert resp.status == 200
+
+
+async def test_slow_client_is_not_taken_for_a_stalled_replica(fake_replica: FakeFactory,
+                                                              gateway_for: GatewayFactory) -> None:
+    """A client that reads slower than the replica writes waits on back-pressure; the idle timeout does not fire."""
+    fake = await fake_replica()
+    gw = await gateway_for([fake.url], timeouts={"connect_s": 1, "first_byte_s": 5, "idle_s": 0.2})
+    async with aiohttp.ClientSession() as session:
+        async with session.post(gw.base_url + "/completions",
+                                json={**BODY, "max_tokens": 30000, "stream": True}) as resp:
+            await resp.content.readany()
+            await asyncio.sleep(0.8)  # socket buffers fill; the gateway must stop reading, not give up
+            text = (await resp.read()).decode()
+    assert "error" not in text and text.rstrip().endswith("data: [DONE]")
+    replica = gw.gateway.router.replicas[fake.url]
+    assert replica.healthy and replica.outstanding == 0 and replica.inflight == 0
