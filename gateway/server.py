@@ -127,6 +127,8 @@ class _Connection(asyncio.Protocol):
         self._paused = False
         self._discarding = False  # refused a request: read and drop the rest, then close
         self._head_size = 0  # bytes of the current request's head so far (-1 once it is complete)
+        self._stalled = 0  # bytes fed with no header or URL completed: one header growing
+        self._progress = False
         self._last = self._loop.time()
         self._idle = self._loop.call_at(self._last + server.keepalive_s, self._check_idle)
         self.closing = False
@@ -141,19 +143,21 @@ class _Connection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self._last = self._loop.time()
-        if self._head_size >= 0:
-            self._head_size += len(data)
-            if self._head_size > _MAX_HEAD:
-                self._refuse(431, f"the request line and headers are larger than {_MAX_HEAD} bytes",
-                             "request_header_fields_too_large")
-                return
+        self._progress = False
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserUpgrade:
             self._refuse(400, "protocol upgrades are not supported", "upgrade_not_supported")
+            return
         except httptools.HttpParserError as exc:
             if not self._discarding:
                 self._refuse(400, f"malformed HTTP request: {exc}", "bad_request")
+            return
+        if self._head_size >= 0:  # inside a request head: bound it (httptools buffers a header until it ends)
+            self._stalled = 0 if self._progress else self._stalled + len(data)
+            if max(self._head_size, self._stalled) > _MAX_HEAD:
+                self._refuse(431, f"the request line and headers are larger than {_MAX_HEAD} bytes",
+                             "request_header_fields_too_large")
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closing = True
@@ -173,17 +177,26 @@ class _Connection(asyncio.Protocol):
     # -- httptools callbacks ----------------------------------------------------------------------------------
     def on_message_begin(self) -> None:
         self._url, self._headers, self._body, self._size = b"", {}, [], 0
-        self._head_size = 0
+        self._head_size, self._progress = 0, True
 
     def on_url(self, url: bytes) -> None:
         self._url += url
+        self._head_size += len(url)
+        self._progress = True
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self._headers[name.decode("latin-1").lower()] = value.decode("latin-1")
+        self._head_size += len(name) + len(value)
+        self._progress = True
 
     def on_headers_complete(self) -> None:
-        self._head_size = -1
+        too_large, self._head_size = self._head_size > _MAX_HEAD, -1
         if self._discarding:
+            return
+        if too_large:
+            self._discarding = True
+            self._refuse(431, f"the request line and headers are larger than {_MAX_HEAD} bytes",
+                         "request_header_fields_too_large")
             return
         length = self._headers.get("content-length", "")
         if length.isdigit() and int(length) > self._server.max_body:
@@ -201,7 +214,6 @@ class _Connection(asyncio.Protocol):
             self._body.append(body)
 
     def on_message_complete(self) -> None:
-        self._head_size = 0  # counting again: what follows is the next request's head
         if self._discarding:
             self.close()
             return
