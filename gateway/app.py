@@ -99,7 +99,7 @@ class Gateway:
     # -- the boundary -----------------------------------------------------------------------------------------
     async def handle(self, request: Request, responder: Responder) -> Response | None:
         """Request ids, API keys, routing, and every error as an OpenAI-style body with the right status."""
-        request_id = request.headers.get("x-request-id") or "%032x" % self._ids.getrandbits(128)
+        request_id = request.headers.get("x-request-id") or f"{self._ids.getrandbits(128):032x}"
         responder.headers["x-request-id"] = request_id
         try:
             if self.config.api_keys and request.path.startswith("/v1/") and not self._authorized(request):

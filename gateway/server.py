@@ -126,6 +126,9 @@ class _Connection(asyncio.Protocol):
         self._drain: asyncio.Future[None] | None = None
         self._paused = False
         self._discarding = False  # refused a request: read and drop the rest, then close
+        self._refusal: tuple[bytes, bool] | None = None  # an error answer owed once earlier requests are answered
+        self._refused_read = False  # the refused request has been read to its end
+        self._continue_owed = False  # a `100 Continue` to send once earlier requests are answered
         self._head_size = 0  # bytes of the current request's head so far (-1 once it is complete)
         self._stalled = 0  # bytes fed with no header or URL completed: one header growing
         self._progress = False
@@ -147,7 +150,8 @@ class _Connection(asyncio.Protocol):
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserUpgrade:
-            self._refuse(400, "protocol upgrades are not supported", "upgrade_not_supported")
+            if not self._discarding:
+                self._refuse(400, "protocol upgrades are not supported", "upgrade_not_supported")
             return
         except httptools.HttpParserError as exc:
             if not self._discarding:
@@ -194,15 +198,18 @@ class _Connection(asyncio.Protocol):
         if self._discarding:
             return
         if too_large:
-            self._discarding = True
             self._refuse(431, f"the request line and headers are larger than {_MAX_HEAD} bytes",
                          "request_header_fields_too_large")
             return
         length = self._headers.get("content-length", "")
         if length.isdigit() and int(length) > self._server.max_body:
             self._too_large()
-        elif self._headers.get("expect", "").lower() == "100-continue" and self._transport is not None:
-            self._transport.write(_CONTINUE)
+        elif (self._headers.get("expect", "").lower() == "100-continue"
+              and self._parser.get_http_version() == "1.1" and self._transport is not None):
+            if self.idle:
+                self._transport.write(_CONTINUE)
+            else:
+                self._continue_owed = True  # after the answers still owed on this connection
 
     def on_body(self, body: bytes) -> None:
         if self._discarding:
@@ -215,8 +222,12 @@ class _Connection(asyncio.Protocol):
 
     def on_message_complete(self) -> None:
         if self._discarding:
-            self.close()
+            self._refused_read = True
+            if self._refusal is None:
+                self.close()  # the refusal went out already
             return
+        if self._parser.should_upgrade():
+            return  # refused when httptools raises HttpParserUpgrade right after this
         url = self._url.decode("latin-1")
         request = Request(self._parser.get_method().decode("latin-1"), url, url.partition("?")[0],
                           self._headers, b"".join(self._body), self._parser.should_keep_alive(),
@@ -239,6 +250,12 @@ class _Connection(asyncio.Protocol):
         try:
             while True:
                 if not self._queue:
+                    if self._refusal is not None:
+                        self._write_refusal(*self._refusal)
+                        return
+                    if self._continue_owed and self._transport is not None:
+                        self._continue_owed = False
+                        self._transport.write(_CONTINUE)
                     self._waiter = self._loop.create_future()
                     await self._waiter
                 request = self._queue.popleft()
@@ -304,31 +321,38 @@ class _Connection(asyncio.Protocol):
             self._drain.set_result(None)
         self._drain = None
 
-    def _refuse(self, status: int, message: str, code: str) -> None:
-        """Answer an error the server finds itself and close the connection."""
-        if self._transport is not None and not self.closing and not self._busy:
-            body = error_body(status, message, code)
-            self._transport.write(b"HTTP/1.1 %d %b\r\nContent-Type: application/json\r\nContent-Length: %d\r\n"
-                                  b"Connection: close\r\n\r\n%b" % (status, _REASONS[status], len(body), body))
-        self.close()
+    def _refuse(self, status: int, message: str, code: str, linger: bool = False) -> None:
+        """Answer an error the server finds itself, after the answers still owed on this connection; then close.
 
-    def _too_large(self) -> None:
-        """413 at once; the rest of the body is read and dropped so the client sees the answer, not a reset."""
-        if self._busy or self._queue:  # pipelined behind a response in progress: no room to answer in order
-            self._discarding = True
-            self.close()
-            return
-        message = f"the request body is larger than {self._server.max_body} bytes"
-        body = error_body(413, message, "request_too_large")
-        assert self._transport is not None
-        self._transport.write(b"HTTP/1.1 413 Request Entity Too Large\r\nContent-Type: application/json\r\n"
-                              b"Content-Length: %d\r\nConnection: close\r\n\r\n%b" % (len(body), body))
+        `linger`: the client may still be sending a body; read and drop it (for up to `discard_s`) so the client
+        sees the answer rather than a reset.
+        """
         self._discarding = True
         self._body = []
-        if self._headers.get("expect", "").lower() == "100-continue":
-            self.close()  # the client has not sent the body and will not
-        else:
+        body = error_body(status, message, code)
+        answer = (b"HTTP/1.1 %d %b\r\nContent-Type: application/json\r\nContent-Length: %d\r\n"
+                  b"Connection: close\r\n\r\n%b" % (status, _REASONS[status], len(body), body))
+        if self.idle:
+            self._write_refusal(answer, linger)
+            return
+        self._refusal = (answer, linger)
+        if not linger and self._transport is not None:
+            self._transport.pause_reading()  # nothing after a malformed request can be parsed
+
+    def _write_refusal(self, answer: bytes, linger: bool) -> None:
+        self._refusal = None
+        if self._transport is not None and not self.closing:
+            self._transport.write(answer)
+        if linger and not self._refused_read:
             self._loop.call_later(self._server.discard_s, self.close)
+        else:
+            self.close()
+
+    def _too_large(self) -> None:
+        """413; the rest of the body is read and dropped (unless the client waits for `100 Continue` to send it)."""
+        waiting = self._headers.get("expect", "").lower() == "100-continue"
+        self._refuse(413, f"the request body is larger than {self._server.max_body} bytes", "request_too_large",
+                     linger=not waiting)
 
     def _check_idle(self) -> None:
         now = self._loop.time()

@@ -15,8 +15,8 @@ import socket
 import ssl
 from collections import deque
 from dataclasses import dataclass
-from urllib.parse import urlsplit
 from typing import cast
+from urllib.parse import urlsplit
 
 import httptools
 
@@ -65,6 +65,7 @@ class _Connection(asyncio.Protocol):
         self.idle_since = 0.0
         self._waiter: asyncio.Future[None] | None = None
         self._framed = False  # the answer has a length or chunked encoding (else it ends with the connection)
+        self._head_only = False  # the request is HEAD: its answer ends with its head
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's transports are not asyncio.Transport subclasses
@@ -77,6 +78,7 @@ class _Connection(asyncio.Protocol):
         self.head = self._loop.create_future()
         self.headers, self.status, self.complete, self.keep_alive, self.received = {}, 0, False, False, False
         self.buffered = 0
+        self._head_only = data.startswith(b"HEAD ")
         self._resume()
         self.transport.write(data)
 
@@ -90,8 +92,8 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._pool.forget(self)
-        if self.head is not None and self.head.done() and not self._framed and not self.complete:
-            self.complete = True  # an answer without length or chunking ends with the connection
+        if exc is None and self.head is not None and self.head.done() and not self._framed and not self.complete:
+            self.complete = True  # an answer without length or chunking ends with the connection (not a reset)
             self._wake()
         self._fail(exc or ConnectionResetError("the replica closed the connection"))
         self.transport = None
@@ -106,6 +108,9 @@ class _Connection(asyncio.Protocol):
             self.headers = {}  # an interim answer (100 Continue): the real head follows
             return
         self._framed = "content-length" in self.headers or "chunked" in self.headers.get("transfer-encoding", "")
+        if self._head_only:  # httptools cannot be told to skip the body a HEAD answer names: end it here
+            self.complete, self.keep_alive = True, self._parser.should_keep_alive()
+            self._parser = httptools.HttpResponseParser(self)  # the next answer starts afresh
         if self.head is not None and not self.head.done():
             self.head.set_result(None)
 
