@@ -12,11 +12,14 @@ import contextlib
 import itertools
 import json
 import socket
+import ssl
 import struct
+import subprocess
 import time
+from pathlib import Path
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import aiohttp
 import pytest
@@ -733,9 +736,10 @@ class RawReplica:
         """The connection numbers that carried requests for `path`, in order, without repeats."""
         return list(dict.fromkeys(c for c, p in self.seen if p == path))
 
-    async def start(self) -> str:
-        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
-        self.url = f"http://127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
+    async def start(self, tls: ssl.SSLContext | None = None) -> str:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0, ssl=tls)
+        scheme = "https" if tls else "http"
+        self.url = f"{scheme}://127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
         return self.url
 
     async def close(self) -> None:
@@ -787,7 +791,8 @@ class RawReplica:
             writer.close()
 
 
-RawFactory = Callable[[Script], Awaitable[RawReplica]]
+class RawFactory(Protocol):
+    def __call__(self, script: Script, tls: ssl.SSLContext | None = None) -> Awaitable[RawReplica]: ...
 
 
 @pytest.fixture
@@ -795,9 +800,9 @@ async def raw_replica() -> AsyncIterator[RawFactory]:
     """Start scripted raw replicas: `await raw_replica(script)`."""
     replicas: list[RawReplica] = []
 
-    async def start(script: Script) -> RawReplica:
+    async def start(script: Script, tls: ssl.SSLContext | None = None) -> RawReplica:
         replica = RawReplica(script)
-        await replica.start()
+        await replica.start(tls)
         replicas.append(replica)
         return replica
 
@@ -1109,3 +1114,35 @@ async def test_pool_does_not_retry_a_fresh_connection(raw_replica: RawFactory) -
     finally:
         pool.close()
     assert [c for c, _ in replica.seen] == [1]
+
+
+def self_signed(tmp: Path) -> tuple[Path, Path]:
+    """A certificate for 127.0.0.1 and its key, made with the openssl command."""
+    cert, key = tmp / "cert.pem", tmp / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
+                    "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True, timeout=60)
+    return cert, key
+
+
+async def test_pool_speaks_tls_to_https_replicas(raw_replica: RawFactory, tmp_path: Path) -> None:
+    """An https replica is reached over TLS, its certificate checked, and the connection reused."""
+    cert, key = self_signed(tmp_path)
+    server_tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server_tls.load_cert_chain(cert, key)
+    replica = await raw_replica(lambda method, path, n: (answer(b"secure"), False), tls=server_tls)
+    origin = Origin.from_url(replica.url)
+    assert origin.scheme == "https"
+    pool = UpstreamPool(connect_s=1.0, ssl_context=ssl.create_default_context(cafile=str(cert)))
+    untrusting = UpstreamPool(connect_s=1.0)  # the system's CAs do not know this certificate
+    try:
+        for _ in range(2):
+            response = await pool.request(origin, _get(origin), b"")
+            assert await response.read() == b"secure"
+            response.close()
+        with pytest.raises(ssl.SSLCertVerificationError):
+            await untrusting.request(origin, _get(origin), b"")
+    finally:
+        pool.close()
+        untrusting.close()
+    assert replica.connections("/x") == [1]
