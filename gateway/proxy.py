@@ -60,8 +60,9 @@ class Proxy:
         self._pool = pool
         self._metrics = metrics
         self._origins: dict[str, Origin] = {}
+        self._loop = asyncio.get_running_loop()  # once: each lookup is a getpid() system call on Python 3.11
         timeouts = config.timeouts
-        self._watchdogs = _Watchdogs(max(0.01, min(1.0, timeouts.first_byte_s / 10, timeouts.idle_s / 10)))
+        self._watchdogs = _Watchdogs(self._loop, max(0.01, min(1.0, timeouts.first_byte_s / 10, timeouts.idle_s / 10)))
         self._headers = b"Content-Type: application/json\r\n"
         if config.upstream_api_key:
             self._headers += f"Authorization: Bearer {config.upstream_api_key}\r\n".encode("latin-1")
@@ -69,7 +70,7 @@ class Proxy:
     async def forward(self, request: Request, responder: Responder, info: RequestInfo,
                       request_id: str) -> Response | None:
         """Send the body to a replica (retrying on another while that is safe) and relay its answer."""
-        loop = asyncio.get_running_loop()
+        loop = self._loop
         started = loop.time()
         deadline = started + self._config.retry.max_time_s
         tried: frozenset[str] = frozenset()
@@ -126,7 +127,7 @@ class Proxy:
             except asyncio.CancelledError:
                 if not watch.expired:
                     raise  # the client went away, or the gateway is stopping
-                asyncio.current_task().uncancel()  # type: ignore[union-attr]
+                asyncio.current_task(self._loop).uncancel()  # type: ignore[union-attr]
                 raise _timed_out(replica.url) from None
         except (_Retryable, OSError) as exc:
             if response is not None:
@@ -149,12 +150,12 @@ class Proxy:
             await self._stream(responder, upstream, first, lease, info, started, watch)
         else:
             response = Response(status, first, content_type, headers)
-        self._metrics.answered(lease.replica.url, info.model, status, asyncio.get_running_loop().time() - started)
+        self._metrics.answered(lease.replica.url, info.model, status, self._loop.time() - started)
         return response
 
     async def _stream(self, responder: Responder, upstream: UpstreamResponse, data: bytes, lease: Lease,
                       info: RequestInfo, started: float, watch: _Watch) -> None:
-        loop = asyncio.get_running_loop()
+        loop = self._loop
         if data:
             self._metrics.first_token(lease.replica.url, info.model, loop.time() - started)
             lease.first_token()
@@ -171,7 +172,7 @@ class Proxy:
         except asyncio.CancelledError:
             if not watch.expired:
                 raise  # the client went away, or the gateway is stopping
-            asyncio.current_task().uncancel()  # type: ignore[union-attr]
+            asyncio.current_task(self._loop).uncancel()  # type: ignore[union-attr]
             failure = f"stalled for {self._config.timeouts.idle_s:g} s"
         except OSError as exc:
             if responder.client_gone:
@@ -211,30 +212,30 @@ class _Watchdogs:
     timeout fires within `tick_s` after its limit.
     """
 
-    def __init__(self, tick_s: float) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, tick_s: float) -> None:
+        self._loop = loop
         self._tick_s = tick_s
         self._active: set[_Watch] = set()
         self._handle: asyncio.TimerHandle | None = None
 
     def watch(self, limit: float) -> _Watch:
-        loop = asyncio.get_running_loop()
-        watch = _Watch(asyncio.current_task(), limit, loop.time())
+        loop = self._loop
+        watch = _Watch(asyncio.current_task(loop), limit, loop.time())
         self._active.add(watch)
         if self._handle is None:
             self._handle = loop.call_later(self._tick_s, self._tick)
         return watch
 
-    @staticmethod
-    def rearm(watch: _Watch, limit: float) -> None:
+    def rearm(self, watch: _Watch, limit: float) -> None:
         """From now on, allow `limit` seconds between two signs of progress."""
         watch.limit = limit
-        watch.last = asyncio.get_running_loop().time()
+        watch.last = self._loop.time()
 
     def done(self, watch: _Watch) -> None:
         self._active.discard(watch)
 
     def _tick(self) -> None:
-        loop = asyncio.get_running_loop()
+        loop = self._loop
         now = loop.time()
         for watch in list(self._active):
             if watch.paused:

@@ -225,6 +225,7 @@ class UpstreamPool:
         self._connect_s = connect_s
         self._idle_s = idle_s
         self._ssl = ssl_context
+        self._loop = asyncio.get_running_loop()  # once: each lookup is a getpid() system call on Python 3.11
         self._idle: dict[Origin, list[_Connection]] = {}
         self._closed = False
 
@@ -262,7 +263,7 @@ class UpstreamPool:
         idle = self._idle.get(origin)
         if not idle:
             return None
-        now = asyncio.get_running_loop().time()
+        now = self._loop.time()
         while idle:
             conn = idle.pop()
             if now - conn.idle_since < self._idle_s and conn.transport is not None and not conn.transport.is_closing():
@@ -271,7 +272,7 @@ class UpstreamPool:
         return None
 
     async def _connect(self, origin: Origin) -> _Connection:
-        loop = asyncio.get_running_loop()
+        loop = self._loop
         context = None
         if origin.scheme == "https":
             if self._ssl is None:
@@ -286,7 +287,7 @@ class UpstreamPool:
         if self._closed:
             conn.close()
             return
-        conn.idle_since = asyncio.get_running_loop().time()
+        conn.idle_since = self._loop.time()
         conn.head = None
         self._idle.setdefault(conn.origin, []).append(conn)
 
