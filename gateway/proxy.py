@@ -115,26 +115,27 @@ class Proxy:
             len(request.body), request_id.encode("latin-1"), self._headers)
         response: UpstreamResponse | None = None
         try:
-            try:
-                response = await self._pool.request(origin, head, request.body)
-                if response.status in _RETRY_STATUSES:
-                    raise _Retryable(f"status_{response.status}", 502,
-                                     f"replica {replica.url} answered {response.status}")
-                if response.status == 200 and info.stream and response.content_type == "text/event-stream":
-                    first = await response.readany()
-                else:
-                    first = await response.read()
-            except asyncio.CancelledError:
+            response = await self._pool.request(origin, head, request.body)
+            if response.status in _RETRY_STATUSES:
+                raise _Retryable(f"status_{response.status}", 502, f"replica {replica.url} answered {response.status}")
+            if response.status == 200 and info.stream and response.content_type == "text/event-stream":
+                first = await response.readany()
+            else:
+                first = await response.read()
+        except BaseException as exc:
+            if response is not None:
+                response.close()  # also when the client went away: the replica sees the request aborted
+            failure: BaseException = exc
+            if isinstance(exc, asyncio.CancelledError):
                 if not watch.expired:
                     raise  # the client went away, or the gateway is stopping
                 asyncio.current_task(self._loop).uncancel()  # type: ignore[union-attr]
-                raise _timed_out(replica.url) from None
-        except (_Retryable, OSError) as exc:
-            if response is not None:
-                response.close()
-            failure = _retryable(exc, replica.url)
-            eject(replica, failure.eject_reason)
-            raise failure from None
+                failure = TimeoutError()
+            elif not isinstance(exc, (_Retryable, OSError)):
+                raise
+            retryable = _retryable(failure, replica.url)
+            eject(replica, retryable.eject_reason)
+            raise retryable from None
         if response.status >= 500:
             eject(replica, f"answered {response.status}")
         return response, first

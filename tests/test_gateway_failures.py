@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 
 import aiohttp
@@ -183,3 +184,27 @@ async def test_slow_client_is_not_taken_for_a_stalled_replica(fake_replica: Fake
     assert "error" not in text and text.rstrip().endswith("data: [DONE]")
     replica = gw.gateway.router.replicas[fake.url]
     assert replica.healthy and replica.outstanding == 0 and replica.inflight == 0
+
+
+async def test_client_gone_before_the_first_token_aborts_upstream(fake_replica: FakeFactory,
+                                                                  gateway_for: GatewayFactory) -> None:
+    """A client that hangs up while the replica is still in prefill closes the upstream request too."""
+    fake = await fake_replica(ttft_s=2.0)
+    gw = await gateway_for([fake.url])
+    replica = gw.gateway.router.replicas[fake.url]
+    async with aiohttp.ClientSession() as session:
+        request = asyncio.create_task(session.post(gw.base_url + "/completions", json={**BODY, "stream": True}))
+        for _ in range(100):
+            if fake.stats.running == 1:
+                break
+            await asyncio.sleep(0.01)
+        assert fake.stats.running == 1 and replica.inflight == 1
+        request.cancel()  # the client hangs up before any token
+        with contextlib.suppress(asyncio.CancelledError):
+            await request
+    for _ in range(100):
+        if fake.stats.running == 0 and replica.inflight == 0:
+            break
+        await asyncio.sleep(0.01)
+    assert fake.stats.running == 0 and fake.stats.aborted == 1
+    assert replica.outstanding == 0 and replica.inflight == 0
