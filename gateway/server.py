@@ -1,14 +1,14 @@
 """The gateway's HTTP/1.1 server: httptools (llhttp, the parser aiohttp also uses) on a plain asyncio protocol.
 
 Why not aiohttp's server: on a 2-core machine at 100 requests/s, a bare aiohttp proxy (aiohttp's server and
-client, no gateway logic) added 1.1-1.4 ms to the median request, where the gateway's target is under 1 ms; the
-same proxy on this module and `upstream.py` added 0.6-0.7 ms, a raw byte forwarder 0.46 (bench/gateway_overhead.py
-and README). aiohttp still probes the replicas (health.py); this module serves only what the gateway needs:
+client, no gateway logic) added 1.0-1.4 ms to the median request, where the gateway's target is under 1 ms; a
+minimal proxy on httptools protocols added 0.57-0.74 ms, a raw byte forwarder 0.46-0.53 ms (README, "Gateway
+overhead"). aiohttp still probes the replicas (health.py); this module serves only what the gateway needs:
 
 - keep-alive, and pipelined requests answered in order;
 - Content-Length and chunked request bodies up to `max_body` (413 beyond it), `Expect: 100-continue`;
 - complete responses written in one call, or streamed with chunked encoding and write back-pressure;
-- 400 for malformed HTTP; a connection quiet for `keepalive_s` between requests is closed;
+- 400 for malformed HTTP, 431 for a head over 64 KiB; a connection quiet for `keepalive_s` is closed;
 - a client that disconnects cancels its handler at once (so the proxy can abort the upstream request);
 - a graceful stop: stop listening, let requests in flight finish within a grace period, then cancel them.
 """
