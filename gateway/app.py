@@ -59,7 +59,7 @@ class Gateway:
         self._session: aiohttp.ClientSession | None = None
         self._pool: UpstreamPool | None = None
         self._tasks: list[asyncio.Task[None]] = []
-        self._routes: dict[str, Route] = {
+        handlers: dict[str, Route] = {
             "/v1/completions": self._generation("completions"),
             "/v1/chat/completions": self._generation("chat"),
             "/v1/embeddings": self._generation("embeddings"),
@@ -68,6 +68,11 @@ class Gateway:
             "/ready": self._ready,
             "/metrics": self._metrics,
         }
+        self._routes: dict[tuple[str, str], Route] = {}  # by (method, path): one lookup per well-formed request
+        for path, handler in handlers.items():
+            self._routes[(_OWN_METHODS[path], path)] = handler
+            if _OWN_METHODS[path] == "GET":
+                self._routes[("HEAD", path)] = handler
 
     # -- lifecycle --------------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -105,20 +110,22 @@ class Gateway:
             if self.config.api_keys and request.path.startswith("/v1/") and not self._authorized(request):
                 raise GatewayError(401, "Incorrect or missing API key: send `Authorization: Bearer <key>`",
                                    code="invalid_api_key")
-            route = self._routes.get(request.path)
-            allowed = _OWN_METHODS.get(request.path.rstrip("/"))
-            if allowed and request.method != allowed and not (allowed == "GET" and request.method == "HEAD"):
-                raise GatewayError(405, f"{request.method} is not allowed on {request.path}; use {allowed}",
-                                   code="method_not_allowed", headers={"Allow": allowed})
-            if route is None:
-                if not request.path.startswith("/v1/"):
-                    raise GatewayError(404, f"{request.method} {request.path}: Not Found", code="not_found")
-                route = self._other_v1
+            route = self._routes.get((request.method, request.path)) or self._elsewhere(request)
             return await route(request, responder, request_id)
         except GatewayError as exc:
             if exc.status in (401, 429) or exc.status >= 500:
                 self.metrics.rejections.labels(f"status_{exc.status}").inc()
             return error_response(exc)
+
+    def _elsewhere(self, request: Request) -> Route:
+        """Any other /v1 path, or a 405 for a wrong method on a path of the gateway's own, or a 404."""
+        allowed = _OWN_METHODS.get(request.path.rstrip("/"))
+        if allowed and request.method != allowed and not (allowed == "GET" and request.method == "HEAD"):
+            raise GatewayError(405, f"{request.method} is not allowed on {request.path}; use {allowed}",
+                               code="method_not_allowed", headers={"Allow": allowed})
+        if not request.path.startswith("/v1/"):
+            raise GatewayError(404, f"{request.method} {request.path}: Not Found", code="not_found")
+        return self._other_v1
 
     def _authorized(self, request: Request) -> bool:
         header = request.headers.get("authorization", "")

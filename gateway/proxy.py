@@ -76,7 +76,7 @@ class Proxy:
         tried: frozenset[str] = frozenset()
         attempts = self._config.retry.max_attempts
         for attempt in range(1, attempts + 1):
-            lease = await self._router.acquire(info, tried)
+            lease = self._router.lease_now(info, tried) or await self._router.acquire(info, tried)
             watch = self._watchdogs.watch(self._config.timeouts.first_byte_s)
             upstream: UpstreamResponse | None = None
             try:

@@ -83,6 +83,10 @@ class Router:
             return None
         return Lease(self.policy.pick(open_, info), info, self.wake)
 
+    def lease_now(self, info: RequestInfo, exclude: frozenset[str] = frozenset()) -> Lease | None:
+        """A lease at once when nobody is queued and a replica has room (the common case; no coroutine), else None."""
+        return None if self._waiters else self.try_acquire(info, exclude)
+
     async def acquire(self, info: RequestInfo, exclude: frozenset[str] = frozenset()) -> Lease:
         """A lease, waiting in the admission queue if need be; 429 when the queue is full or waited too long."""
         if not self._waiters:  # FIFO: nobody jumps the queue
