@@ -7,7 +7,12 @@ from bisect import bisect_left
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
 from .router import Router
@@ -72,6 +77,13 @@ class _Answers(Collector):
         self.latency: dict[tuple[str, str], _Histogram] = {}
         self.ttft: dict[tuple[str, str], _Histogram] = {}
 
+    @staticmethod
+    def observe(histograms: dict[tuple[str, str], _Histogram], labels: tuple[str, str], seconds: float) -> None:
+        histogram = histograms.get(labels)
+        if histogram is None:
+            histogram = histograms[labels] = _Histogram()
+        histogram.observe(seconds)
+
     def collect(self) -> Iterator[Metric]:
         requests = CounterMetricFamily("gateway_requests", "Requests answered, by replica, model and HTTP status",
                                        labels=["replica", "model", "status"])
@@ -105,17 +117,11 @@ class Metrics:
         answers = self._answers
         key = (replica, model, status)
         answers.counts[key] = answers.counts.get(key, 0) + 1
-        histogram = answers.latency.get((replica, model))
-        if histogram is None:
-            histogram = answers.latency[(replica, model)] = _Histogram()
-        histogram.observe(seconds)
+        answers.observe(answers.latency, (replica, model), seconds)
 
     def first_token(self, replica: str, model: str, seconds: float) -> None:
         """A stream's first token reached the gateway `seconds` after the request did."""
-        histogram = self._answers.ttft.get((replica, model))
-        if histogram is None:
-            histogram = self._answers.ttft[(replica, model)] = _Histogram()
-        histogram.observe(seconds)
+        self._answers.observe(self._answers.ttft, (replica, model), seconds)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

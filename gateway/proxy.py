@@ -51,6 +51,11 @@ def _retryable(exc: BaseException, url: str) -> _Retryable:
     return _Retryable("connection", 502, f"replica {url} failed: {exc!r}", repr(exc))
 
 
+def _streams(response: UpstreamResponse, info: RequestInfo) -> bool:
+    """Whether the answer is relayed as a stream: an SSE answer to a request that asked for one."""
+    return response.status == 200 and info.stream and response.content_type == "text/event-stream"
+
+
 class Proxy:
     """Relays requests to the replicas the router picks."""
 
@@ -118,7 +123,7 @@ class Proxy:
             response = await self._pool.request(origin, head, request.body)
             if response.status in _RETRY_STATUSES:
                 raise _Retryable(f"status_{response.status}", 502, f"replica {replica.url} answered {response.status}")
-            if response.status == 200 and info.stream and response.content_type == "text/event-stream":
+            if _streams(response, info):
                 first = await response.readany()
             else:
                 first = await response.read()
@@ -127,9 +132,8 @@ class Proxy:
                 response.close()  # also when the client went away: the replica sees the request aborted
             failure: BaseException = exc
             if isinstance(exc, asyncio.CancelledError):
-                if not watch.expired:
+                if not self._watchdogs.timed_out(watch):
                     raise  # the client went away, or the gateway is stopping
-                asyncio.current_task(self._loop).uncancel()  # type: ignore[union-attr]
                 failure = TimeoutError()
             elif not isinstance(exc, (_Retryable, OSError)):
                 raise
@@ -146,7 +150,7 @@ class Proxy:
         content_type = upstream.headers.get("content-type", "application/json")
         headers = {"x-gateway-replica": lease.replica.url}
         response: Response | None = None
-        if status == 200 and info.stream and upstream.content_type == "text/event-stream":
+        if _streams(upstream, info):
             responder.start(status, headers, content_type)
             await self._stream(responder, upstream, first, lease, info, started, watch)
         else:
@@ -171,9 +175,8 @@ class Proxy:
                 data = await upstream.readany()
                 watch.last = loop.time()
         except asyncio.CancelledError:
-            if not watch.expired:
+            if not self._watchdogs.timed_out(watch):
                 raise  # the client went away, or the gateway is stopping
-            asyncio.current_task(self._loop).uncancel()  # type: ignore[union-attr]
             failure = f"stalled for {self._config.timeouts.idle_s:g} s"
         except OSError as exc:
             if responder.client_gone:
@@ -231,6 +234,12 @@ class _Watchdogs:
         """From now on, allow `limit` seconds between two signs of progress."""
         watch.limit = limit
         watch.last = self._loop.time()
+
+    def timed_out(self, watch: _Watch) -> bool:
+        """After a CancelledError: whether it was `watch` expiring (the cancellation is then undone)."""
+        if watch.expired:
+            asyncio.current_task(self._loop).uncancel()  # type: ignore[union-attr]
+        return watch.expired
 
     def done(self, watch: _Watch) -> None:
         self._active.discard(watch)

@@ -89,11 +89,10 @@ class Router:
 
     async def acquire(self, info: RequestInfo, exclude: frozenset[str] = frozenset()) -> Lease:
         """A lease, waiting in the admission queue if need be; 429 when the queue is full or waited too long."""
-        if not self._waiters:  # FIFO: nobody jumps the queue
-            lease = self.try_acquire(info, exclude)
-            if lease is not None:
-                return lease
-        elif not self._candidates(info, exclude):
+        lease = self.lease_now(info, exclude)  # FIFO: only when nobody is queued
+        if lease is not None:
+            return lease
+        if self._waiters and not self._candidates(info, exclude):
             raise self._no_candidate(info, exclude)
         if len(self._waiters) >= self.queue.max_size:
             reason = "every replica is at its cap" + (" and the queue is full" if self.queue.max_size else "")

@@ -16,9 +16,7 @@ overhead"). aiohttp still probes the replicas (health.py); this module serves on
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import socket
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -28,6 +26,8 @@ from http import HTTPStatus
 from typing import cast
 
 import httptools
+
+from .errors import GatewayError
 
 logger = logging.getLogger(__name__)
 
@@ -58,12 +58,6 @@ class Response:
     body: bytes = b""
     content_type: str = "application/json"
     headers: dict[str, str] = field(default_factory=dict)
-
-
-def error_body(status: int, message: str, code: str) -> bytes:
-    """An OpenAI-style error body, for the errors the server itself answers (400, 413, 500)."""
-    kind = "server_error" if status >= 500 else "invalid_request_error"
-    return json.dumps({"error": {"message": message, "type": kind, "param": None, "code": code}}).encode()
 
 
 class Responder:
@@ -139,9 +133,6 @@ class _Connection(asyncio.Protocol):
     # -- asyncio.Protocol -------------------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = cast(asyncio.Transport, transport)  # uvloop's transports are not asyncio.Transport subclasses
-        sock = transport.get_extra_info("socket")
-        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._server.connections.add(self)
 
     def data_received(self, data: bytes) -> None:
@@ -282,7 +273,7 @@ class _Connection(asyncio.Protocol):
             if responder.started:
                 self.close()
                 return
-            response = Response(500, error_body(500, "internal gateway error", "internal_error"))
+            response = Response(500, GatewayError(500, "internal gateway error", code="internal_error").encoded())
         if response is not None and not self.closing:
             head = self.head(request, response.status, response.content_type,
                              {**response.headers, **responder.headers}, len(response.body))
@@ -329,7 +320,7 @@ class _Connection(asyncio.Protocol):
         """
         self._discarding = True
         self._body = []
-        body = error_body(status, message, code)
+        body = GatewayError(status, message, code=code).encoded()
         answer = (b"HTTP/1.1 %d %b\r\nContent-Type: application/json\r\nContent-Length: %d\r\n"
                   b"Connection: close\r\n\r\n%b" % (status, _REASONS[status], len(body), body))
         if self.idle:

@@ -11,7 +11,6 @@ watchdog); connecting is bounded here by `connect_s`.
 from __future__ import annotations
 
 import asyncio
-import socket
 import ssl
 from collections import deque
 from dataclasses import dataclass
@@ -69,9 +68,6 @@ class _Connection(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's transports are not asyncio.Transport subclasses
-        sock = transport.get_extra_info("socket")
-        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     def send(self, data: bytes) -> None:
         assert self.transport is not None
@@ -139,7 +135,11 @@ class _Connection(asyncio.Protocol):
                 raise self.error
             self._waiter = self._loop.create_future()
             await self._waiter
-        data = self.chunks.popleft() if len(self.chunks) == 1 else b"".join(self._drain_chunks())
+        if len(self.chunks) == 1:
+            data = self.chunks.popleft()
+        else:
+            data = b"".join(self.chunks)
+            self.chunks.clear()
         self.buffered = 0
         self._resume()
         return data
@@ -148,11 +148,6 @@ class _Connection(asyncio.Protocol):
         if self.paused and self.transport is not None:
             self.paused = False
             self.transport.resume_reading()
-
-    def _drain_chunks(self) -> list[bytes]:
-        chunks = list(self.chunks)
-        self.chunks.clear()
-        return chunks
 
     def _wake(self) -> None:
         if self._waiter is not None and not self._waiter.done():
@@ -203,7 +198,7 @@ class UpstreamResponse:
         if conn.complete and len(conn.chunks) <= 1:  # usually: a small answer arrives with its head
             return conn.chunks.popleft() if conn.chunks else b""
         parts = []
-        while chunk := await self._conn.next_chunk():
+        while chunk := await conn.next_chunk():
             parts.append(chunk)
         return b"".join(parts)
 
