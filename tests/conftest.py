@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import socket
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -69,6 +71,13 @@ async def gateway_for() -> AsyncIterator[GatewayFactory]:
             await gateway.health.probe_all()
             return GatewayUnderTest(port, gateway)
         yield start
+
+
+async def until(condition: Callable[[], bool], timeout_s: float = 1.0) -> None:
+    """Wait until `condition()` holds or `timeout_s` passes (the caller asserts what it needs afterwards)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition() and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
 
 
 def port_bound(port: int) -> bool:

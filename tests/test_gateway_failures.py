@@ -10,7 +10,7 @@ import aiohttp
 import openai
 import pytest
 
-from tests.conftest import FakeFactory, GatewayFactory
+from tests.conftest import FakeFactory, GatewayFactory, until
 
 BODY = {"model": "fake-model", "prompt": "hello", "max_tokens": 4}
 
@@ -144,10 +144,7 @@ async def test_client_disconnect_aborts_upstream_and_releases_tokens(fake_replic
         await resp.content.readany()
         assert fake.stats.running == 1 and replica.outstanding > 0
         resp.close()  # the client hangs up
-    for _ in range(100):
-        if fake.stats.running == 0 and replica.inflight == 0:
-            break
-        await asyncio.sleep(0.01)
+    await until(lambda: fake.stats.running == 0 and replica.inflight == 0)
     assert fake.stats.running == 0 and fake.stats.aborted == 1
     assert replica.outstanding == 0 and replica.inflight == 0
 
@@ -162,10 +159,7 @@ async def test_ejected_replica_comes_back_after_a_good_probe(fake_replica: FakeF
         await session.post(gw.base_url + "/completions", json=BODY)
         assert not gw.gateway.router.replicas[fake.url].healthy
         fake.behavior.fail = None
-        for _ in range(100):
-            if gw.gateway.router.replicas[fake.url].healthy:
-                break
-            await asyncio.sleep(0.02)
+        await until(lambda: gw.gateway.router.replicas[fake.url].healthy, timeout_s=2.0)
         async with session.post(gw.base_url + "/completions", json=BODY) as resp:
             assert resp.status == 200
 
@@ -194,17 +188,11 @@ async def test_client_gone_before_the_first_token_aborts_upstream(fake_replica: 
     replica = gw.gateway.router.replicas[fake.url]
     async with aiohttp.ClientSession() as session:
         request = asyncio.create_task(session.post(gw.base_url + "/completions", json={**BODY, "stream": True}))
-        for _ in range(100):
-            if fake.stats.running == 1:
-                break
-            await asyncio.sleep(0.01)
+        await until(lambda: fake.stats.running == 1)
         assert fake.stats.running == 1 and replica.inflight == 1
         request.cancel()  # the client hangs up before any token
         with contextlib.suppress(asyncio.CancelledError):
             await request
-    for _ in range(100):
-        if fake.stats.running == 0 and replica.inflight == 0:
-            break
-        await asyncio.sleep(0.01)
+    await until(lambda: fake.stats.running == 0 and replica.inflight == 0)
     assert fake.stats.running == 0 and fake.stats.aborted == 1
     assert replica.outstanding == 0 and replica.inflight == 0

@@ -987,6 +987,23 @@ def _get(origin: Origin, path: bytes = b"/x") -> bytes:
     return b"GET %b HTTP/1.1\r\nHost: %b\r\n\r\n" % (path, origin.host_header)
 
 
+@pytest.fixture
+async def pool() -> AsyncIterator[UpstreamPool]:
+    """A replica client pool, closed after the test."""
+    pool = UpstreamPool(connect_s=1.0)
+    yield pool
+    pool.close()
+
+
+async def get_body(pool: UpstreamPool, origin: Origin) -> bytes:
+    """GET /x through the pool: the whole body, the answer closed (its connection pooled if it can be)."""
+    response = await pool.request(origin, _get(origin), b"")
+    try:
+        return await response.read()
+    finally:
+        response.close()
+
+
 async def test_pool_does_not_reuse_connections_idle_past_idle_s(raw_replica: RawFactory) -> None:
     """A connection idle for less than idle_s is reused; one idle longer is replaced by a new one."""
     replica = await raw_replica(lambda method, path, n: (answer(b"ok"), False))
@@ -1003,116 +1020,86 @@ async def test_pool_does_not_reuse_connections_idle_past_idle_s(raw_replica: Raw
     assert [c for c, _ in replica.seen] == [1, 1, 2]
 
 
-async def test_pool_closes_a_connection_whose_answer_was_not_read(raw_replica: RawFactory) -> None:
+async def test_pool_closes_a_connection_whose_answer_was_not_read(raw_replica: RawFactory, pool: UpstreamPool) -> None:
     """An answer abandoned before its end closes its connection; the next request opens a new one."""
     replica = await raw_replica(lambda method, path, n: (answer(b"b" * 100_000), False))
     origin = Origin.from_url(replica.url)
-    pool = UpstreamPool(connect_s=1.0)
-    try:
-        abandoned = await pool.request(origin, _get(origin), b"")
-        assert abandoned.status == 200
-        abandoned.close()
-        whole = await pool.request(origin, _get(origin), b"")
-        assert len(await whole.read()) == 100_000
-        whole.close()
-        again = await pool.request(origin, _get(origin), b"")
-        assert len(await again.read()) == 100_000
-        again.close()
-    finally:
-        pool.close()
+    abandoned = await pool.request(origin, _get(origin), b"")
+    assert abandoned.status == 200
+    abandoned.close()
+    whole = await pool.request(origin, _get(origin), b"")
+    assert len(await whole.read()) == 100_000
+    whole.close()
+    again = await pool.request(origin, _get(origin), b"")
+    assert len(await again.read()) == 100_000
+    again.close()
     assert [c for c, _ in replica.seen] == [1, 2, 2]
 
 
-async def test_pool_reads_a_chunked_answer_and_reuses_the_connection(raw_replica: RawFactory) -> None:
+async def test_pool_reads_a_chunked_answer_and_reuses_the_connection(raw_replica: RawFactory,
+                                                                     pool: UpstreamPool) -> None:
     """A chunked answer is read piece by piece as it arrives, to its end, and its connection goes back to the pool."""
     head = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream; charset=utf-8\r\nTransfer-Encoding: chunked\r\n\r\n"
     parts = (head + b"7\r\ndata: 1\r\n", b"7\r\ndata: 2\r\n0\r\n\r\n")
     replica = await raw_replica(lambda method, path, n: (parts, False))
     origin = Origin.from_url(replica.url)
-    pool = UpstreamPool(connect_s=1.0)
-    try:
-        for _ in range(2):
-            response = await pool.request(origin, _get(origin), b"")
-            assert response.content_type == "text/event-stream"
-            assert [await response.readany() for _ in range(3)] == [b"data: 1", b"data: 2", b""]
-            response.close()
-    finally:
-        pool.close()
+    for _ in range(2):
+        response = await pool.request(origin, _get(origin), b"")
+        assert response.content_type == "text/event-stream"
+        assert [await response.readany() for _ in range(3)] == [b"data: 1", b"data: 2", b""]
+        response.close()
     assert [c for c, _ in replica.seen] == [1, 1]
 
 
-async def test_pool_skips_an_interim_100(raw_replica: RawFactory) -> None:
+async def test_pool_skips_an_interim_100(raw_replica: RawFactory, pool: UpstreamPool) -> None:
     """A `100 Continue` arriving ahead of the answer is neither the answer's status nor its headers."""
     parts = (b"HTTP/1.1 100 Continue\r\nX-Interim: 1\r\n\r\n", answer(b"ok", extra=b"X-Final: yes\r\n"))
     replica = await raw_replica(lambda method, path, n: (parts, False))
     origin = Origin.from_url(replica.url)
-    pool = UpstreamPool(connect_s=1.0)
-    try:
-        response = await pool.request(origin, _get(origin), b"")
-        assert (response.status, await response.read()) == (200, b"ok")
-        assert response.headers.get("x-final") == "yes" and "x-interim" not in response.headers
-        response.close()
-    finally:
-        pool.close()
+    response = await pool.request(origin, _get(origin), b"")
+    assert (response.status, await response.read()) == (200, b"ok")
+    assert response.headers.get("x-final") == "yes" and "x-interim" not in response.headers
+    response.close()
 
 
-async def test_pool_does_not_reuse_a_connection_the_replica_said_to_close(raw_replica: RawFactory) -> None:
+async def test_pool_does_not_reuse_a_connection_the_replica_said_to_close(raw_replica: RawFactory,
+                                                                          pool: UpstreamPool) -> None:
     """An answer with `Connection: close` retires its connection even if the replica leaves the socket open."""
     replica = await raw_replica(lambda method, path, n: (answer(b"ok", extra=b"Connection: close\r\n"), False))
     origin = Origin.from_url(replica.url)
-    pool = UpstreamPool(connect_s=1.0)
-    try:
-        for _ in range(2):
-            response = await pool.request(origin, _get(origin), b"")
-            assert await response.read() == b"ok"
-            response.close()
-    finally:
-        pool.close()
+    for _ in range(2):
+        assert await get_body(pool, origin) == b"ok"
     assert [c for c, _ in replica.seen] == [1, 2]
 
 
-async def test_pool_reads_a_head_answer_as_bodiless(raw_replica: RawFactory) -> None:
+async def test_pool_reads_a_head_answer_as_bodiless(raw_replica: RawFactory, pool: UpstreamPool) -> None:
     """The answer to HEAD ends with its head, whatever Content-Length it names; the connection is reused."""
     replica = await raw_replica(lambda method, path, n: (answer(b"x" * 10)[:-10], False))  # the head alone
     origin = Origin.from_url(replica.url)
-    pool = UpstreamPool(connect_s=1.0)
-    try:
-        for _ in range(2):
-            response = await pool.request(origin, b"HEAD /x HTTP/1.1\r\nHost: %b\r\n\r\n" % origin.host_header, b"")
-            assert response.headers["content-length"] == "10"
-            async with asyncio.timeout(0.5):
-                assert await response.read() == b""
-            response.close()
-    finally:
-        pool.close()
+    for _ in range(2):
+        response = await pool.request(origin, b"HEAD /x HTTP/1.1\r\nHost: %b\r\n\r\n" % origin.host_header, b"")
+        assert response.headers["content-length"] == "10"
+        async with asyncio.timeout(0.5):
+            assert await response.read() == b""
+        response.close()
     assert [c for c, _ in replica.seen] == [1, 1]
 
 
-async def test_pool_retries_a_reused_connection_once(raw_replica: RawFactory) -> None:
+async def test_pool_retries_a_reused_connection_once(raw_replica: RawFactory, pool: UpstreamPool) -> None:
     """A pooled connection the replica drops on the next request is retried once on a fresh connection."""
     replica = await raw_replica(lambda method, path, n: (answer(b"ok"), False) if n == 0 else None)
     origin = Origin.from_url(replica.url)
-    pool = UpstreamPool(connect_s=1.0)
-    try:
-        for _ in range(2):
-            response = await pool.request(origin, _get(origin), b"")
-            assert await response.read() == b"ok"
-            response.close()
-    finally:
-        pool.close()
+    for _ in range(2):
+        assert await get_body(pool, origin) == b"ok"
     assert [c for c, _ in replica.seen] == [1, 1, 2]
 
 
-async def test_pool_does_not_retry_a_fresh_connection(raw_replica: RawFactory) -> None:
+async def test_pool_does_not_retry_a_fresh_connection(raw_replica: RawFactory, pool: UpstreamPool) -> None:
     """A new connection that the replica drops without answering is an error, not a silent retry."""
     replica = await raw_replica(lambda method, path, n: None)
     origin = Origin.from_url(replica.url)
-    pool = UpstreamPool(connect_s=1.0)
-    try:
-        with pytest.raises(ConnectionError):
-            await pool.request(origin, _get(origin), b"")
-    finally:
-        pool.close()
+    with pytest.raises(ConnectionError):
+        await pool.request(origin, _get(origin), b"")
     assert [c for c, _ in replica.seen] == [1]
 
 
@@ -1137,9 +1124,7 @@ async def test_pool_speaks_tls_to_https_replicas(raw_replica: RawFactory, tmp_pa
     untrusting = UpstreamPool(connect_s=1.0)  # the system's CAs do not know this certificate
     try:
         for _ in range(2):
-            response = await pool.request(origin, _get(origin), b"")
-            assert await response.read() == b"secure"
-            response.close()
+            assert await get_body(pool, origin) == b"secure"
         with pytest.raises(ssl.SSLCertVerificationError):
             await untrusting.request(origin, _get(origin), b"")
     finally:
