@@ -7,22 +7,26 @@ import contextlib
 import hmac
 import json
 import logging
+import math
 import os
 import random
+import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
-
-import aiohttp
+from dataclasses import replace
 
 from .config import GatewayConfig
-from .discovery import DnsDiscovery, Resolver, SystemResolver
+from .control import ControlPlane
+from .discovery import Resolver
 from .errors import GatewayError
 from .health import HealthChecker
 from .metrics import Metrics
 from .parsing import other_info, parse
 from .policies import make_policy
 from .proxy import Proxy
+from .replicaset import Follower
 from .router import Router
 from .server import HttpServer, Request, Responder, Response
+from .table import R_PID, R_STATE, STATE_READY, LoadTable
 from .tokens import TokenCounter
 from .upstream import UpstreamPool
 
@@ -43,20 +47,30 @@ def error_response(exc: GatewayError) -> Response:
 
 
 class Gateway:
-    """The gateway's parts, built from one config; `handle` answers every request the server parses."""
+    """The gateway's parts, built from one config; `handle` answers every request the server parses.
+
+    One process (`table` None): it has a load table of its own and runs the control plane (health probes,
+    discovery, load feedback) itself. A worker of N: it writes row `row` of the supervisor's table and follows the
+    replica set the supervisor publishes there. The request path is the same code either way.
+    """
 
     def __init__(self, config: GatewayConfig, resolver: Resolver | None = None,
-                 rng: random.Random | None = None) -> None:
+                 rng: random.Random | None = None, *, table: LoadTable | None = None, row: int = 1) -> None:
         self.config = config
-        self.router = Router(make_policy(config.policy, rng), config.queue, config.replicas)
-        self.metrics = Metrics(self.router)
+        # the admission queue's bound is the gateway's: each worker holds its share
+        queue = replace(config.queue, max_size=math.ceil(config.queue.max_size / config.workers))
+        self.router = Router(make_policy(config.policy, rng), queue)
+        own = table is None
+        self.table = table if table is not None else LoadTable.create(rows=2)
+        self.row = row
+        self.follower = Follower(self.table, row, self.router)
+        self.control = (ControlPlane(config, self.table, range(1, 2), resolver, on_change=self.follower.sync)
+                        if own else None)
+        self.follower.sync()
+        self.metrics = Metrics(self.router, self.table, row, range(1, self.table.rows))
         self.counter = TokenCounter(config.tokenizer_map())
-        self.resolver = resolver or SystemResolver()
         self.proxy: Proxy | None = None
-        self.health: HealthChecker | None = None
-        self.discovery = [DnsDiscovery(self.router, d, self.resolver) for d in config.discovery]
         self._ids = random.Random(os.urandom(16))  # request ids: unique, not secret; no syscall per request
-        self._session: aiohttp.ClientSession | None = None
         self._pool: UpstreamPool | None = None
         self._tasks: list[asyncio.Task[None]] = []
         handlers: dict[str, Route] = {
@@ -75,18 +89,23 @@ class Gateway:
                 self._routes[("HEAD", path)] = handler
 
     # -- lifecycle --------------------------------------------------------------------------------------------
+    @property
+    def health(self) -> HealthChecker | None:
+        """The health checker, in the process that runs the control plane."""
+        return self.control.health if self.control is not None else None
+
     async def start(self) -> None:
-        """Open the replica clients and start the health checks and DNS discovery."""
+        """Open the replica clients; start following the replica set (and, in one process, the control plane)."""
+        if self.control is not None:
+            await self.control.start()
         self._pool = UpstreamPool(self.config.timeouts.connect_s)
         self.proxy = Proxy(self.config, self.router, self._pool, self.metrics)
-        # the health checker passes its own total timeout per probe
-        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(
-            total=None, sock_connect=self.config.timeouts.connect_s, sock_read=None))
-        key = self.config.upstream_api_key
-        self.health = HealthChecker(self.router, self._session, self.config.health,
-                                    {"Authorization": f"Bearer {key}"} if key else {})
-        self._tasks = [asyncio.create_task(d.run(), name="dns-discovery") for d in self.discovery]
-        self._tasks.append(asyncio.create_task(self.health.run(), name="health-checks"))
+        self._tasks = [asyncio.create_task(self.follower.run(), name="replica-set-follower")]
+
+    def serving(self) -> None:
+        """Mark this process's row as serving (the supervisor waits for it; /metrics counts it)."""
+        self.table.cells[self.table.head_cell(self.row, R_PID)] = os.getpid()
+        self.table.cells[self.table.head_cell(self.row, R_STATE)] = STATE_READY
 
     async def stop(self) -> None:
         for task in self._tasks:
@@ -94,12 +113,13 @@ class Gateway:
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        self.router.close()
         if self.proxy is not None:
             self.proxy.close()
         if self._pool is not None:
             self._pool.close()
-        if self._session is not None:
-            await self._session.close()
+        if self.control is not None:
+            await self.control.stop()
 
     # -- the boundary -----------------------------------------------------------------------------------------
     async def handle(self, request: Request, responder: Responder) -> Response | None:
@@ -167,13 +187,15 @@ class Gateway:
 
 @contextlib.asynccontextmanager
 async def running(config: GatewayConfig, resolver: Resolver | None = None, rng: random.Random | None = None,
-                  grace_s: float = 30.0) -> AsyncIterator[tuple[Gateway, int]]:
-    """The gateway serving on `config.host`:`config.port` (the bound port is yielded: useful with port 0)."""
-    gateway = Gateway(config, resolver, rng)
+                  grace_s: float = 30.0, *, table: LoadTable | None = None, row: int = 1,
+                  sock: socket.socket | None = None) -> AsyncIterator[tuple[Gateway, int]]:
+    """The gateway serving on `config.host`:`config.port`, or on `sock` (the bound port is yielded: useful with 0)."""
+    gateway = Gateway(config, resolver, rng, table=table, row=row)
     await gateway.start()
     server = HttpServer(gateway.handle, config.max_body_bytes)
     try:
-        port = await server.start(config.host, config.port)
+        port = await server.start(config.host, config.port, sock=sock)
+        gateway.serving()
         yield gateway, port
     finally:
         await server.close(grace_s)

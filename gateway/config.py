@@ -17,6 +17,8 @@ YAML (every key optional; flags given on the command line win over the file):
     retry: {max_attempts: 3, max_time_s: 10}
     queue: {max_size: 0, max_wait_s: 30}  # max_size 0: no admission queue (429 when every replica is at its cap)
     max_body_bytes: 4194304
+    workers: 1                            # worker processes on the one port; auto: one per CPU available
+    feedback: {enabled: false, interval_s: 0.5, timeout_s: 1}  # blend in each replica's own load (vLLM /metrics)
     api_keys: [sk-client-1]               # clients must send one of these as a Bearer token
     upstream_api_key: sk-upstream         # sent to the replicas
 """
@@ -24,7 +26,8 @@ YAML (every key optional; flags given on the command line win over the file):
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields
+import os
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -145,6 +148,42 @@ class QueueConfig:
 
 
 @dataclass(frozen=True)
+class FeedbackConfig:
+    """Replica-load feedback: scrape every replica's vLLM /metrics every `interval_s` and blend it in."""
+
+    enabled: bool = False
+    interval_s: float = 0.5
+    timeout_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.enabled, bool):
+            raise ConfigError(f"feedback.enabled must be true or false, got {self.enabled!r}")
+        _positive("feedback.interval_s", self.interval_s)
+        _positive("feedback.timeout_s", self.timeout_s)
+
+
+def cpu_count() -> int:
+    """CPUs this process may use: its affinity, and a cgroup v2 CPU quota where there is one (containers)."""
+    count = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    try:
+        quota, period = open("/sys/fs/cgroup/cpu.max").read().split()[:2]
+    except (OSError, ValueError):
+        return count
+    return count if quota == "max" else max(1, min(count, math.ceil(int(quota) / int(period))))
+
+
+def workers_value(value: object) -> int:
+    """`workers`: a positive integer, or "auto" for the CPUs available."""
+    if value == "auto":
+        return cpu_count()
+    if isinstance(value, str) and value.isdigit():
+        value = int(value)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigError(f"workers must be a positive integer or auto, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
 class GatewayConfig:
     """Everything the gateway needs to run."""
 
@@ -160,6 +199,8 @@ class GatewayConfig:
     retry: RetryConfig = field(default_factory=RetryConfig)
     queue: QueueConfig = field(default_factory=QueueConfig)
     max_body_bytes: int = 4 * 1024 * 1024
+    workers: int = 1
+    feedback: FeedbackConfig = field(default_factory=FeedbackConfig)
     api_keys: tuple[str, ...] = ()
     upstream_api_key: str | None = None
     log_level: str = "info"
@@ -178,6 +219,7 @@ class GatewayConfig:
             raise ConfigError(f"default_max_tokens must be a positive integer, got {self.default_max_tokens!r}")
         if not isinstance(self.max_body_bytes, int) or self.max_body_bytes <= 0:
             raise ConfigError(f"max_body_bytes must be a positive integer, got {self.max_body_bytes!r}")
+        workers_value(self.workers)
         if any(not isinstance(k, str) or not k for k in self.api_keys):
             raise ConfigError("api_keys must be non-empty strings")
         if self.log_level.lower() not in ("debug", "info", "warning", "error"):
@@ -187,7 +229,8 @@ class GatewayConfig:
         return dict(self.tokenizers)
 
 
-_SECTIONS = {"timeouts": Timeouts, "health": HealthConfig, "retry": RetryConfig, "queue": QueueConfig}
+_SECTIONS = {"timeouts": Timeouts, "health": HealthConfig, "retry": RetryConfig, "queue": QueueConfig,
+             "feedback": FeedbackConfig}
 
 
 def _build(cls: type, where: str, data: Any) -> Any:
@@ -229,11 +272,22 @@ def from_mapping(data: dict[str, Any]) -> GatewayConfig:
         if not isinstance(data["tokenizers"], dict):
             raise ConfigError("tokenizers must map model names to tokenizer paths")
         data["tokenizers"] = tuple((str(k), str(v)) for k, v in data["tokenizers"].items())
+    if "workers" in data:
+        data["workers"] = workers_value(data["workers"])
     if "api_keys" in data:
         if not isinstance(data["api_keys"], list):
             raise ConfigError("api_keys must be a list of strings")
         data["api_keys"] = tuple(data["api_keys"])
     return _build(GatewayConfig, "the config file", data)  # type: ignore[no-any-return]
+
+
+def to_mapping(config: GatewayConfig) -> dict[str, Any]:
+    """The config as plain data that `from_mapping` reads back (how the supervisor hands it to its workers)."""
+    data = asdict(config)
+    data["tokenizers"] = dict(config.tokenizers)
+    for key in ("replicas", "discovery", "api_keys"):
+        data[key] = list(data[key])
+    return data
 
 
 def load_yaml(path: str | Path) -> dict[str, Any]:

@@ -8,7 +8,6 @@ import socket
 from typing import Protocol
 
 from .config import DiscoveryConfig, ReplicaConfig
-from .router import Router
 
 logger = logging.getLogger(__name__)
 
@@ -17,6 +16,14 @@ class Resolver(Protocol):
     async def resolve(self, name: str, port: int) -> list[str]:
         """The addresses `name` resolves to now."""
         ...
+
+
+class Pool(Protocol):
+    """Where discovered replicas go: the control plane's `ReplicaSet` (or a `Router` of its own)."""
+
+    def add(self, config: ReplicaConfig) -> object: ...
+
+    def remove(self, url: str) -> None: ...
 
 
 class SystemResolver:
@@ -35,11 +42,15 @@ def _url(scheme: str, address: str, port: int) -> str:
 class DnsDiscovery:
     """Keeps the router's replicas for one DNS name equal to what the name resolves to, re-resolving on an interval."""
 
-    def __init__(self, router: Router, config: DiscoveryConfig, resolver: Resolver) -> None:
+    def __init__(self, router: Pool, config: DiscoveryConfig, resolver: Resolver) -> None:
         self._router = router
         self._config = config
         self._resolver = resolver
         self.urls: set[str] = set()
+
+    @property
+    def config(self) -> DiscoveryConfig:
+        return self._config
 
     async def run(self) -> None:
         while True:

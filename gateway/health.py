@@ -1,4 +1,8 @@
-"""Active health probes: each replica's /health on an interval; its models from /v1/models once healthy."""
+"""Active health probes of the replica set: each replica's /health on an interval; its models from /v1/models.
+
+The control plane probes (once for all workers) and publishes the results through the `ReplicaSet`; a worker
+that sees a replica fail a request ejects it (`eject`) for every worker until its next good probe.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +13,7 @@ import aiohttp
 
 from .config import HealthConfig
 from .replicas import Replica
-from .router import Router
+from .replicaset import Entry, ReplicaSet
 
 logger = logging.getLogger(__name__)
 
@@ -17,11 +21,11 @@ MODELS_EVERY = 10  # refresh a healthy replica's model list every this many prob
 
 
 class HealthChecker:
-    """Marks replicas healthy or not; a replica ejected for a failed request comes back on its next good probe."""
+    """Probes every replica of the set; a replica ejected for a failed request comes back on its next good probe."""
 
-    def __init__(self, router: Router, session: aiohttp.ClientSession, config: HealthConfig,
+    def __init__(self, replicas: ReplicaSet, session: aiohttp.ClientSession, config: HealthConfig,
                  headers: dict[str, str] | None = None) -> None:
-        self._router = router
+        self._replicas = replicas
         self._session = session
         self._config = config
         self._headers = headers or {}
@@ -35,37 +39,31 @@ class HealthChecker:
     async def probe_all(self) -> None:
         refresh = self._rounds % MODELS_EVERY == 0
         self._rounds += 1
-        await asyncio.gather(*(self.probe(r, refresh) for r in list(self._router.replicas.values())))
+        await asyncio.gather(*(self.probe(e, refresh) for e in list(self._replicas.replicas.values())))
 
-    async def probe(self, replica: Replica, refresh_models: bool = False) -> None:
+    async def probe(self, entry: Entry, refresh_models: bool = False) -> None:
         timeout = aiohttp.ClientTimeout(total=self._config.timeout_s)
+        cards = None
         try:
-            async with self._session.get(f"{replica.url}/health", timeout=timeout, headers=self._headers) as resp:
+            async with self._session.get(f"{entry.url}/health", timeout=timeout, headers=self._headers) as resp:
                 ok = resp.status == 200
-            if ok and (refresh_models or not replica.healthy or not replica.models):
-                replica.cards = await self._models(replica, timeout)
-                replica.models = frozenset(replica.cards)
+            if ok and (refresh_models or not entry.healthy or not entry.cards):
+                cards = await self._models(entry, timeout)
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
             ok = False
-            logger.debug("probe of %s failed: %r", replica.url, exc)
-        self._set(replica, ok)
+            logger.debug("probe of %s failed: %r", entry.url, exc)
+        self._replicas.set_health(entry, ok, cards)
 
-    async def _models(self, replica: Replica, timeout: aiohttp.ClientTimeout) -> dict[str, dict[str, object]]:
-        async with self._session.get(f"{replica.url}/v1/models", timeout=timeout, headers=self._headers) as resp:
+    async def _models(self, entry: Entry, timeout: aiohttp.ClientTimeout) -> dict[str, dict[str, object]]:
+        async with self._session.get(f"{entry.url}/v1/models", timeout=timeout, headers=self._headers) as resp:
             resp.raise_for_status()
             body = await resp.json()
         return {m["id"]: m for m in body.get("data", []) if isinstance(m, dict) and isinstance(m.get("id"), str)}
 
-    def _set(self, replica: Replica, ok: bool) -> None:
-        if ok != replica.healthy:
-            logger.info("replica %s is %s", replica.url, "healthy" if ok else "unhealthy")
-        replica.healthy = ok
-        if ok:
-            self._router.wake()
-
 
 def eject(replica: Replica, reason: str) -> None:
-    """Passive ejection: stop sending traffic to a replica that just failed a request."""
+    """Passive ejection: stop sending traffic to a replica that just failed a request (in every worker)."""
     if replica.healthy:
         logger.warning("ejecting replica %s: %s", replica.url, reason)
     replica.healthy = False
+    replica.mark_ejected()

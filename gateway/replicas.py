@@ -3,6 +3,11 @@
 A request's cost is its prompt tokens plus its output budget. The lease adds the cost to its replica when
 taken, releases the prompt part at the first token, counts the output part down as tokens stream back, and
 releases whatever remains when the request ends, fails or is cancelled: exactly once.
+
+With several worker processes (gateway/table.py) a replica's counters are columns of the shared load table:
+a lease writes this process's own cells (`Replica.own`), and `Replica.refresh()`, called for every candidate of
+a pick, sums each column over every worker's row into the plain attributes policies read (`outstanding`,
+`inflight`). A replica not bound to a table (one process, a simulation, a test) keeps plain numbers only.
 """
 
 from __future__ import annotations
@@ -11,13 +16,14 @@ from collections.abc import Callable
 
 from .config import ReplicaConfig
 from .parsing import RequestInfo
+from .table import COLUMNS, INFLIGHT, OUTSTANDING, R_EJECTIONS, S_HEALTH_GEN, LoadTable
 
 
 class Replica:
     """One upstream vLLM server and its live load. Mutated only on the event loop."""
 
     __slots__ = ("url", "weight", "max_requests", "max_outstanding_tokens", "healthy", "models",
-                 "outstanding", "inflight", "cards")
+                 "outstanding", "inflight", "cards", "draining", "own", "_columns", "_table", "_row", "_slot")
 
     def __init__(self, config: ReplicaConfig) -> None:
         self.url = config.url
@@ -25,10 +31,44 @@ class Replica:
         self.max_requests = config.max_requests
         self.max_outstanding_tokens = config.max_outstanding_tokens
         self.healthy = False
+        self.draining = False  # no new requests; the control plane removes it once its requests are done
         self.models: frozenset[str] = frozenset()
         self.cards: dict[str, dict[str, object]] = {}  # the replica's /v1/models entries, by model id
-        self.outstanding = 0
+        self.outstanding = 0  # gateway-wide, as of the last refresh, plus this process's changes since
         self.inflight = 0
+        self.own: list[int] | memoryview[int] = [0] * len(COLUMNS)  # this process's cells: the only ones it writes
+        self._columns: tuple[tuple[str, memoryview], ...] = ()
+        self._table: LoadTable | None = None
+        self._row = self._slot = 0
+
+    def bind(self, table: LoadTable, row: int, slot: int, hi: int) -> None:
+        """Keep the counters in `table`: this process writes row `row`, reads sum rows [0, hi)."""
+        start = table.counter(row, slot)
+        self.own = table.cells[start:start + len(COLUMNS)]
+        self._columns = tuple((name, table.column(slot, i, hi)) for i, name in enumerate(COLUMNS))
+        self._table, self._row, self._slot = table, row, slot
+        self.refresh()
+
+    @property
+    def slot(self) -> int:
+        """The replica's slot in the load table (-1: not bound to one)."""
+        return self._slot if self._table is not None else -1
+
+    @property
+    def table(self) -> LoadTable | None:
+        return self._table
+
+    def refresh(self) -> None:
+        """Sum every worker's cells (and the load feedback's) into the attributes a policy compares."""
+        for name, column in self._columns:
+            setattr(self, name, sum(column))
+
+    def mark_ejected(self) -> None:
+        """Tell the other workers that this one saw the replica fail (until its next good probe)."""
+        table = self._table
+        if table is not None:
+            table.cells[table.ejection(self._row, self._slot)] = table.cells[table.slot_cell(self._slot, S_HEALTH_GEN)]
+            table.cells[table.head_cell(self._row, R_EJECTIONS)] += 1
 
     def load(self) -> float:
         """Outstanding tokens relative to capacity: what least-outstanding-tokens compares."""
@@ -39,7 +79,10 @@ class Replica:
         if self.max_requests is not None and self.inflight >= self.max_requests:
             return False
         cap = self.max_outstanding_tokens
-        return cap is None or self.outstanding == 0 or self.outstanding + cost <= cap
+        if cap is None:
+            return True
+        outstanding = self.outstanding
+        return outstanding == 0 or outstanding + cost <= cap
 
     def serves(self, model: str) -> bool:
         return not model or model in self.models
@@ -59,8 +102,12 @@ class Lease:
         self._output = info.max_tokens
         self._done = False
         self._on_release = on_release
-        replica.outstanding += self._prompt + self._output
+        cost = self._prompt + self._output
+        replica.outstanding += cost
         replica.inflight += 1
+        own = replica.own
+        own[OUTSTANDING] += cost
+        own[INFLIGHT] += 1
 
     @property
     def outstanding(self) -> int:
@@ -69,9 +116,11 @@ class Lease:
     def first_token(self) -> None:
         """Prefill is over: the prompt's tokens are no longer work to do."""
         if self._prompt and not self._done:
-            self.replica.outstanding -= self._prompt
+            replica = self.replica
+            replica.outstanding -= self._prompt
+            replica.own[OUTSTANDING] -= self._prompt
             self._prompt = 0
-            if self.replica.max_outstanding_tokens is not None:
+            if replica.max_outstanding_tokens is not None:
                 self._on_release()  # only a token cap can admit a queued request now
 
     def tokens(self, count: int) -> None:
@@ -81,8 +130,10 @@ class Lease:
         done = min(count, self._output)
         if done:
             self._output -= done
-            self.replica.outstanding -= done
-            if self.replica.max_outstanding_tokens is not None:
+            replica = self.replica
+            replica.outstanding -= done
+            replica.own[OUTSTANDING] -= done
+            if replica.max_outstanding_tokens is not None:
                 self._on_release()  # only a token cap can admit a queued request now
 
     def release(self) -> None:
@@ -90,7 +141,12 @@ class Lease:
         if self._done:
             return
         self._done = True
-        self.replica.outstanding -= self._prompt + self._output
-        self.replica.inflight -= 1
+        replica = self.replica
+        rest = self._prompt + self._output
+        replica.outstanding -= rest
+        replica.inflight -= 1
+        own = replica.own
+        own[OUTSTANDING] -= rest
+        own[INFLIGHT] -= 1
         self._prompt = self._output = 0
         self._on_release()

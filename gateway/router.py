@@ -3,6 +3,10 @@
 `acquire` filters to healthy replicas that serve the model and have room, asks the policy, and takes a lease,
 with no `await` in between: on one event loop that is atomic, so no lock is needed. When every candidate is at
 its cap, the request waits in one bounded FIFO queue and goes to whichever replica frees first.
+
+Each candidate's counters are refreshed (summed over every worker's row of the load table) as the pick reads
+them. With several workers each has its own queue; a release in another worker is seen by polling every
+`QUEUE_POLL_S` while requests wait.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from .parsing import RequestInfo, not_found
 from .policies import Policy
 from .replicas import Lease, Replica
 
+QUEUE_POLL_S = 0.01  # while requests wait: how often to look for room freed by other workers or the feedback
 
 @dataclass
 class _Waiter:
@@ -35,6 +40,7 @@ class Router:
         self.queue = queue
         self.replicas: dict[str, Replica] = {}
         self._waiters: deque[_Waiter] = deque()
+        self._poll: asyncio.TimerHandle | None = None
         for config in replicas:
             self.add(config)
 
@@ -61,7 +67,8 @@ class Router:
 
     # -- choosing -------------------------------------------------------------------------------------------
     def _candidates(self, info: RequestInfo, exclude: frozenset[str]) -> list[Replica]:
-        return [r for r in self.replicas.values() if r.healthy and r.serves(info.model) and r.url not in exclude]
+        return [r for r in self.replicas.values()
+                if r.healthy and not r.draining and r.serves(info.model) and r.url not in exclude]
 
     def _no_candidate(self, info: RequestInfo, exclude: frozenset[str]) -> GatewayError:
         known = any(info.model in r.models for r in self.replicas.values())
@@ -78,6 +85,8 @@ class Router:
         if not candidates:
             raise self._no_candidate(info, exclude)
         cost = info.prompt_tokens + info.max_tokens
+        for replica in candidates:
+            replica.refresh()
         open_ = [r for r in candidates if r.has_room(cost)]
         if not open_:
             return None
@@ -101,6 +110,7 @@ class Router:
         waiter = _Waiter(info, exclude, asyncio.get_running_loop().create_future())
         self._waiters.append(waiter)
         self.wake()  # a replica may have room for it already (the queue's head waits for another model)
+        self._poll_soon()
         try:
             await asyncio.wait((waiter.future,), timeout=self.queue.max_wait_s)
         except asyncio.CancelledError:
@@ -119,6 +129,21 @@ class Router:
             self._waiters.remove(waiter)
         elif waiter.future.exception() is None:
             waiter.future.result().release()
+
+    def _poll_soon(self) -> None:
+        if self._poll is None and self._waiters:
+            self._poll = asyncio.get_running_loop().call_later(QUEUE_POLL_S, self._poll_now)
+
+    def _poll_now(self) -> None:
+        self._poll = None
+        self.wake()
+        self._poll_soon()
+
+    def close(self) -> None:
+        """Stop polling for queued requests."""
+        if self._poll is not None:
+            self._poll.cancel()
+            self._poll = None
 
     def wake(self) -> None:
         """Serve queued requests, in order, that a replica now has room for.

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -376,11 +377,14 @@ class HttpServer:
         self._server: asyncio.Server | None = None
         self._date = (0, b"")
 
-    async def start(self, host: str, port: int) -> int:
-        """Listen; returns the bound port (useful with port 0)."""
+    async def start(self, host: str, port: int, sock: socket.socket | None = None) -> int:
+        """Listen (on `sock` when given: a worker's inherited socket); returns the bound port (useful with port 0)."""
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(lambda: _Connection(self), host, port, reuse_address=True,
-                                                backlog=1024)
+        if sock is not None:
+            self._server = await loop.create_server(lambda: _Connection(self), sock=sock, backlog=1024)
+        else:
+            self._server = await loop.create_server(lambda: _Connection(self), host, port, reuse_address=True,
+                                                    backlog=1024)
         return int(self._server.sockets[0].getsockname()[1])
 
     def date(self) -> bytes:

@@ -73,6 +73,14 @@ async def gateway_for() -> AsyncIterator[GatewayFactory]:
         yield start
 
 
+def mark_healthy(gateway: Gateway, *urls: str, models: tuple[str, ...] = ("fake-model",)) -> None:
+    """As if a probe had just found these replicas (default: all) healthy and serving `models`."""
+    assert gateway.control is not None
+    replicas = gateway.control.replicas
+    for url in urls or list(replicas.replicas):
+        replicas.set_health(replicas.replicas[url], True, {m: {"id": m, "object": "model"} for m in models})
+
+
 async def until(condition: Callable[[], bool], timeout_s: float = 1.0) -> None:
     """Wait until `condition()` holds or `timeout_s` passes (the caller asserts what it needs afterwards)."""
     deadline = time.monotonic() + timeout_s

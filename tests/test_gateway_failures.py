@@ -10,7 +10,7 @@ import aiohttp
 import openai
 import pytest
 
-from tests.conftest import FakeFactory, GatewayFactory, until
+from tests.conftest import FakeFactory, GatewayFactory, mark_healthy, until
 
 BODY = {"model": "fake-model", "prompt": "hello", "max_tokens": 4}
 
@@ -28,9 +28,7 @@ async def test_503_is_retried_on_another_replica(fake_replica: FakeFactory, gate
     good = await fake_replica()
     gw = await gateway_for([bad.url, good.url], policy="round_robin")
     bad.behavior.fail = "refuse"
-    for replica in gw.gateway.router.replicas.values():
-        replica.healthy = True
-        replica.models = frozenset({"fake-model"})
+    mark_healthy(gw.gateway)
     async with openai.AsyncOpenAI(base_url=gw.base_url, api_key="none", max_retries=0) as client:
         for _ in range(6):
             await client.completions.create(**BODY)
@@ -43,8 +41,7 @@ async def test_refused_connection_is_retried(fake_replica: FakeFactory, gateway_
     good = await fake_replica()
     dead = closed_port_url()
     gw = await gateway_for([dead, good.url], policy="round_robin")
-    gw.gateway.router.replicas[dead].healthy = True  # as if it had just died after a good probe
-    gw.gateway.router.replicas[dead].models = frozenset({"fake-model"})
+    mark_healthy(gw.gateway, dead)  # as if it had just died after a good probe
     async with openai.AsyncOpenAI(base_url=gw.base_url, api_key="none", max_retries=0) as client:
         for _ in range(4):
             await client.completions.create(**BODY)
@@ -109,7 +106,7 @@ async def test_death_mid_stream_ends_with_an_sse_error(fake_replica: FakeFactory
     assert len(events) == 3
     assert '"error"' in events[-1] and "upstream_stream_error" in events[-1]
     async with openai.AsyncOpenAI(base_url=gw.base_url, api_key="none", max_retries=0) as client:
-        gw.gateway.router.replicas[fake.url].healthy = True
+        mark_healthy(gw.gateway, fake.url)
         stream = await client.completions.create(**BODY, stream=True)
         with pytest.raises(openai.APIError):
             async for _ in stream:
