@@ -99,7 +99,8 @@ class Gateway:
         if self.control is not None:
             await self.control.start()
         self._pool = UpstreamPool(self.config.timeouts.connect_s)
-        self.proxy = Proxy(self.config, self.router, self._pool, self.metrics)
+        worker = str(os.getpid()) if self.config.workers > 1 else None
+        self.proxy = Proxy(self.config, self.router, self._pool, self.metrics, worker)
         self._tasks = [asyncio.create_task(self.follower.run(), name="replica-set-follower")]
 
     def serving(self) -> None:

@@ -7,10 +7,13 @@ import asyncio
 import logging
 import signal
 import sys
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from .config import POLICY_NAMES, ConfigError, GatewayConfig, from_mapping, load_yaml
+
+if TYPE_CHECKING:
+    from .control import ControlPlane
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +32,7 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-key", action="append", metavar="KEY", help="accept this client key (repeatable)")
     serve.add_argument("--upstream-api-key", metavar="KEY", help="send this key to the replicas")
     serve.add_argument("--log-level", choices=("debug", "info", "warning", "error"))
+    serve.add_argument("--workers", metavar="N", help="worker processes on the one port (default 1; auto: one per CPU)")
     return parser
 
 
@@ -46,21 +50,29 @@ def build_config(args: argparse.Namespace) -> GatewayConfig:
             data[key] = getattr(args, flag)
     if args.api_key:
         data["api_keys"] = list(args.api_key)
+    if args.workers is not None:
+        data["workers"] = args.workers
     if args.queue_size is not None:
         data["queue"] = {**(data.get("queue") or {}), "max_size": args.queue_size}
     return from_mapping(data)
 
 
-def serve(config: GatewayConfig) -> None:
+def serve(config: GatewayConfig, reload: Callable[[], GatewayConfig] | None = None) -> None:
+    """One process, or a supervisor and `config.workers` workers (gateway/workers.py); SIGHUP calls `reload`."""
     import uvloop
 
+    from .workers import serve_workers
+
     try:
-        uvloop.run(_serve(config))
+        if config.workers > 1:
+            serve_workers(config, reload)
+        else:
+            uvloop.run(_serve(config, reload))
     except OSError as exc:  # the address is taken, or not ours to listen on
         sys.exit(f"gateway: cannot serve on {config.host}:{config.port}: {exc.strerror or exc}")
 
 
-async def _serve(config: GatewayConfig) -> None:
+async def _serve(config: GatewayConfig, reload: Callable[[], GatewayConfig] | None = None) -> None:
     """Serve until SIGINT or SIGTERM, then stop gracefully (requests in flight get up to 30 s to finish)."""
     from .app import running
 
@@ -68,11 +80,26 @@ async def _serve(config: GatewayConfig) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    async with running(config) as (_, port):
+    async with running(config) as (gateway, port):
+        loop.add_signal_handler(signal.SIGHUP, _reloader(gateway.control, reload))
         logger.info("gateway on %s:%d, policy %s, replicas %s", config.host, port, config.policy,
                     ", ".join(r.url for r in config.replicas) or "(from DNS)")
         await stop.wait()
         logger.info("stopping: finishing the requests in flight")
+
+
+def _reloader(control: ControlPlane | None, reload: Callable[[], GatewayConfig] | None) -> Callable[[], None]:
+    """SIGHUP in one process: the config file's replicas and discovery entries apply at once."""
+    def on_hup() -> None:
+        if control is None or reload is None:
+            return
+        try:
+            control.reload(reload())
+        except ValueError as exc:
+            logger.error("SIGHUP: the new configuration is not valid, keeping the old one: %s", exc)
+            return
+        logger.info("SIGHUP: replicas reloaded (other settings change with a restart, or with --workers > 1)")
+    return on_hup
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -83,7 +110,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(f"gateway: bad configuration: {exc}", file=sys.stderr)
         sys.exit(2)
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    serve(config)
+    serve(config, lambda: build_config(args))
 
 
 if __name__ == "__main__":

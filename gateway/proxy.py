@@ -59,8 +59,10 @@ def _streams(response: UpstreamResponse, info: RequestInfo) -> bool:
 class Proxy:
     """Relays requests to the replicas the router picks."""
 
-    def __init__(self, config: GatewayConfig, router: Router, pool: UpstreamPool, metrics: Metrics) -> None:
+    def __init__(self, config: GatewayConfig, router: Router, pool: UpstreamPool, metrics: Metrics,
+                 worker: str | None = None) -> None:
         self._config = config
+        self._worker = worker  # with several workers, answers say which one served them (x-gateway-worker)
         self._router = router
         self._pool = pool
         self._metrics = metrics
@@ -149,6 +151,8 @@ class Proxy:
         status = upstream.status
         content_type = upstream.headers.get("content-type", "application/json")
         headers = {"x-gateway-replica": lease.replica.url}
+        if self._worker is not None:
+            headers["x-gateway-worker"] = self._worker
         response: Response | None = None
         if _streams(upstream, info):
             responder.start(status, headers, content_type)

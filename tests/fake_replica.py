@@ -53,6 +53,7 @@ class FakeStats:
     max_running: int = 0
     aborted: int = 0
     finished: int = 0
+    health_probes: int = 0
 
 
 BEHAVIOR = web.AppKey("behavior", FakeBehavior)
@@ -185,6 +186,7 @@ async def models(request: web.Request) -> web.Response:
 
 async def health(request: web.Request) -> web.Response:
     behavior = request.app[BEHAVIOR]
+    request.app[STATS].health_probes += 1
     if behavior.fail == "stall":
         await asyncio.sleep(3600)
     return web.Response(status=200 if behavior.healthy and behavior.fail != "error" else 503)
