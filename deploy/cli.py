@@ -46,6 +46,8 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--gpu-memory-utilization", type=float, help="GPU share per replica (default 0.9/N)")
     up.add_argument("--kv-cache-gib", type=float, help="CPU KV cache per replica in GiB (default 1)")
     up.add_argument("--policy", choices=POLICIES, help="the gateway's routing policy")
+    up.add_argument("--gateway-workers", type=int, metavar="N",
+                    help="the gateway's worker processes (default: the plan's, from its expected token rate; else 1)")
     up.add_argument("--device", choices=("auto", "cpu", "gpu"), default="auto", help="default: GPU if pynvml sees one")
     up.add_argument("--mps", action="store_true", help="run an NVIDIA MPS control daemon for the replicas")
     up.add_argument("--run-dir", type=Path, help="state, logs and gateway config (default ~/.cache/smallserve/run)")
@@ -74,7 +76,8 @@ def build_plan(args: argparse.Namespace, hardware: Hardware) -> Plan:
             raise PlanError(f"{', '.join(clashing)} cannot be combined with --plan (the plan says)")
         plan = load(args.plan)
         gateway = replace(plan.gateway, port=args.port if args.port is not None else plan.gateway.port,
-                          policy=args.policy or plan.gateway.policy)
+                          policy=args.policy or plan.gateway.policy,
+                          workers=plan.gateway.workers if args.gateway_workers is None else args.gateway_workers)
         replicas = tuple(replace(r, extra_args=(*r.extra_args, *args.vllm_args)) for r in plan.replicas)
         return replace(plan, gateway=gateway, replicas=replicas)  # validated again: ports must not collide
     options = PlanOptions(
@@ -83,7 +86,8 @@ def build_plan(args: argparse.Namespace, hardware: Hardware) -> Plan:
         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
         gpu_memory_utilization=args.gpu_memory_utilization, cpu_kvcache_space_gib=args.kv_cache_gib,
         policy=args.policy or "least_outstanding_tokens", extra_args=tuple(args.vllm_args))
-    return default_plan(options, hardware)
+    plan = default_plan(options, hardware)
+    return replace(plan, gateway=replace(plan.gateway, workers=1 if args.gateway_workers is None else args.gateway_workers))
 
 
 def resolve_models(plan: Plan, hub_timeout_s: float) -> dict[str, ResolvedModel]:

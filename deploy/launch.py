@@ -147,6 +147,7 @@ def gateway_config(plan: Plan, *, host: str = "0.0.0.0", replica_host: str = "12
         "host": host, "port": plan.gateway.port, "policy": plan.gateway.policy, "replicas": replicas,
         "queue": {"max_size": plan.gateway.queue_size, "max_wait_s": plan.gateway.queue_wait_s},
         "health": {"interval_s": 1.0, "timeout_s": 2.0}, "log_level": log_level,
+        "workers": plan.gateway.workers,
     }
     if tokenizers:
         config["tokenizers"] = dict(tokenizers)

@@ -1,7 +1,7 @@
 """The deployment plan: what `planner plan` writes and `deploy up --plan` runs.
 
     model: facebook/opt-1.3b
-    gateway: {port: 8000, policy: least_outstanding_tokens, queue_size: 1024, queue_wait_s: 30}
+    gateway: {port: 8000, policy: least_outstanding_tokens, queue_size: 1024, queue_wait_s: 30, workers: 1}
     replicas:
       - name: r0
         model: facebook/opt-1.3b
@@ -20,6 +20,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -77,6 +78,20 @@ class GatewaySpec:
     policy: str = "least_outstanding_tokens"
     queue_size: int = 0
     queue_wait_s: float = 30.0
+    workers: int = 1  # gateway worker processes (planner: from the expected token rate, see `gateway_workers`)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.workers, int) or isinstance(self.workers, bool) or self.workers < 1:
+            raise PlanError(f"gateway workers must be a positive integer, got {self.workers!r}")
+
+
+US_PER_EVENT = 21.0  # the gateway's CPU per relayed SSE event, one event per read (issue #11, measured)
+WORKER_BUSY = 0.5  # plan each worker for at most half a core of relaying: headroom for bursts and parsing
+
+
+def gateway_workers(output_tokens_per_s: float) -> int:
+    """Worker processes for an expected output token rate: one SSE event per token at US_PER_EVENT each."""
+    return max(1, math.ceil(output_tokens_per_s * US_PER_EVENT * 1e-6 / WORKER_BUSY))
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from deploy.plan import Admission, GatewaySpec, Plan, PlanError, ReplicaSpec, dump
+from deploy.plan import (US_PER_EVENT, WORKER_BUSY, Admission, GatewaySpec, Plan, PlanError, ReplicaSpec, dump,
+                         gateway_workers)
 from planner import modelinfo
 from planner.choice import BcaConfig, ChoiceConfig, Choice, bca_choice, choose_batch, explain_difference
 from planner.errors import MemoryPlanError, PlannerError
@@ -183,13 +184,28 @@ def make_plan(profile: Profile, config: PlanConfig) -> Plan:
                                  admission=Admission(max_requests=choice.batch_size), **memory_args)
                      for i in range(count))
     queue = config.queue_size or max(1024, 4 * count * choice.batch_size)
+    workers, rate = _workers(profile, choice, count)
     reasoning = _reasoning(profile, choice, bca, memory, sources, device, layout, config)
+    reasoning["gateway_workers"] = {
+        "workers": workers, "expected_output_tok_s": round(rate, 1),
+        "rule": f"ceil(replicas x B*'s tokens/s x output share x {US_PER_EVENT:g} us per SSE event / "
+                f"{WORKER_BUSY:g} of a core per worker), at least 1"}
     try:
         return Plan(model=model, replicas=replicas, reasoning=reasoning,
                     gateway=GatewaySpec(port=config.gateway_port, policy=config.policy, queue_size=queue,
-                                        queue_wait_s=config.queue_wait_s))
+                                        queue_wait_s=config.queue_wait_s, workers=workers))
     except PlanError as exc:
         raise PlannerError(f"the plan is not valid: {exc} (check --base-port and --gateway-port)") from exc
+
+
+def _workers(profile: Profile, choice: Choice, count: int) -> tuple[int, float]:
+    """The gateway's worker count for the output token rate the plan expects (every replica at B*)."""
+    workload = profile.context.workload
+    share = 1.0
+    if workload.input_tokens and workload.output_tokens:
+        share = workload.output_tokens / (workload.input_tokens + workload.output_tokens)
+    rate = count * choice.chosen_tok_s * share  # chosen_tok_s counts prompt and output tokens
+    return gateway_workers(rate), rate
 
 
 def _gpu(profile: Profile, config: PlanConfig, memory: ReplicaMemory) -> tuple[int, dict[str, Any], dict[str, Any]]:

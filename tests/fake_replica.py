@@ -41,6 +41,7 @@ class FakeBehavior:
     fail: str | None = None  # None, "refuse", "error", "stall", "die_midstream", "stall_midstream"
     die_after: int = 2
     healthy: bool = True
+    metrics_page: str | None = None  # serve this text as /metrics instead of the live counts (a real vLLM page)
 
 
 @dataclass
@@ -200,6 +201,8 @@ async def fake_stats(request: web.Request) -> web.Response:
 
 async def metrics(request: web.Request) -> web.Response:
     stats, name = request.app[STATS], request.app[BEHAVIOR].model
+    if request.app[BEHAVIOR].metrics_page is not None:
+        return web.Response(text=request.app[BEHAVIOR].metrics_page, content_type="text/plain")
     label = f'{{model_name="{name}"}}'
     text = (
         f"vllm:num_requests_running{label} {stats.running}.0\n"
@@ -236,9 +239,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--fail", choices=["refuse", "error", "stall", "die_midstream"], default=None,
                         help="inject this failure into every generation request")
     parser.add_argument("--die-after", type=int, default=2, help="die_midstream: chunks sent before dying")
+    parser.add_argument("--metrics-page", metavar="FILE", help="serve this file as /metrics (a real vLLM page)")
     args = parser.parse_args(argv)
+    page = open(args.metrics_page).read() if args.metrics_page else None
     behavior = FakeBehavior(model=args.model, ttft_s=args.ttft, itl_s=args.itl, default_tokens=args.tokens,
-                            fail=args.fail, die_after=args.die_after)
+                            fail=args.fail, die_after=args.die_after, metrics_page=page)
     try:
         import uvloop
         uvloop.install()

@@ -121,6 +121,21 @@ def test_plan_file_with_port_override(tmp_path: Path) -> None:
     built = build_plan(args, GPU)
     assert built.gateway.port == 9100 and built.replicas[0].gpu_memory_utilization == 0.4
     assert built.replicas[0].extra_args == ("--seed", "3")
+    assert built.gateway.workers == 1 and gateway_config(built)["workers"] == 1
+
+
+def test_gateway_workers_come_from_the_plan_or_the_flag(tmp_path: Path) -> None:
+    """The plan's worker count reaches the gateway's config; `--gateway-workers` overrides it."""
+    plan = Plan(model="m", replicas=(ReplicaSpec("r0", "m", 8001),), gateway=GatewaySpec(workers=3))
+    dump(plan, tmp_path / "plan.yaml")
+    built = build_plan(_parser().parse_args(["up", "--plan", str(tmp_path / "plan.yaml")]), GPU)
+    assert from_mapping(gateway_config(built)).workers == 3
+    flagged = build_plan(_parser().parse_args(["up", "--plan", str(tmp_path / "plan.yaml"),
+                                               "--gateway-workers", "2"]), GPU)
+    assert flagged.gateway.workers == 2
+    assert build_plan(_parser().parse_args(["up", "--gateway-workers", "4"]), GPU).gateway.workers == 4
+    with pytest.raises(PlanError, match="workers"):
+        build_plan(_parser().parse_args(["up", "--gateway-workers", "0"]), GPU)
 
 
 def test_plan_file_with_sizing_flags_is_refused(tmp_path: Path) -> None:

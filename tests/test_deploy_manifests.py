@@ -1,11 +1,20 @@
-"""The shipped Kubernetes manifests and Docker Compose file: parsed, cross-checked, the gateway configs loaded."""
+"""The shipped Kubernetes manifests and Docker Compose file: validated against the real schemas, cross-checked.
+
+Schemas: Kubernetes' OpenAPI schemas as `kubernetes-validate` ships them (strict: unknown fields are errors), and
+the compose-spec JSON schema as `check-jsonschema` vendors it.
+"""
 
 from __future__ import annotations
 
+import copy
 import re
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
+import kubernetes_validate
+import pytest
 import yaml
 
 from gateway.config import DiscoveryConfig, GatewayConfig, QueueConfig, from_mapping
@@ -52,6 +61,53 @@ def test_every_manifest_is_valid_yaml_with_kind_and_name() -> None:
     kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
     assert set(kustomization["resources"]) == {"namespace.yaml", "replicas.yaml", "gateway.yaml"}
     assert all((K8S / r).is_file() for r in kustomization["resources"])
+
+
+def test_every_kubernetes_object_is_valid_against_the_kubernetes_schema() -> None:
+    """Each object (the Kustomization aside: not an API object) passes strict validation for current Kubernetes."""
+    objects = [o for o in k8s_objects() if o["kind"] != "Kustomization"]
+    assert {o["kind"] for o in objects} >= {"Namespace", "ConfigMap", "Deployment", "Service"}
+    for obj in objects:
+        kubernetes_validate.validate(obj, kubernetes_validate.latest_version(), strict=True)
+
+
+def test_the_kubernetes_validator_catches_a_mistake() -> None:
+    """The same check refuses a misspelt field and a wrong type: it is not a rubber stamp."""
+    deployment = find("Deployment", "smallserve-gateway")
+    misspelt = copy.deepcopy(deployment)
+    misspelt["spec"]["replica"] = misspelt["spec"].pop("replicas")
+    wrong_type = copy.deepcopy(deployment)
+    wrong_type["spec"]["replicas"] = "three"
+    for broken in (misspelt, wrong_type):
+        with pytest.raises(kubernetes_validate.ValidationError):
+            kubernetes_validate.validate(broken, kubernetes_validate.latest_version(), strict=True)
+
+
+def check_compose(path: Path) -> subprocess.CompletedProcess[str]:
+    command = [str(Path(sys.executable).parent / "check-jsonschema"), "--builtin-schema", "vendor.compose-spec",
+               str(path)]
+    return subprocess.run(command, capture_output=True, text=True, timeout=60)
+
+
+def test_compose_file_is_valid_against_the_compose_spec(tmp_path: Path) -> None:
+    """docker-compose.yaml passes the compose-spec schema; a misspelt service key does not."""
+    result = check_compose(COMPOSE / "docker-compose.yaml")
+    assert result.returncode == 0, result.stdout + result.stderr
+    broken = compose()
+    broken["services"]["gateway"]["depends"] = broken["services"]["gateway"].pop("depends_on")
+    (tmp_path / "broken.yaml").write_text(yaml.safe_dump(broken))
+    result = check_compose(tmp_path / "broken.yaml")
+    assert result.returncode != 0 and "depends" in result.stdout
+
+
+def test_gateway_pods_are_several_and_share_load_through_the_feedback() -> None:
+    """Several gateway pods, each with the replica-load feedback on and a worker per CPU it requests."""
+    deployment = find("Deployment", "smallserve-gateway")
+    config, _ = gateway_config_from_k8s()
+    assert deployment["spec"]["replicas"] >= 2
+    assert config.feedback.enabled and config.feedback.interval_s <= 1
+    cpu = deployment["spec"]["template"]["spec"]["containers"][0]["resources"]["requests"]["cpu"]
+    assert config.workers == int(cpu)
 
 
 def test_headless_service_selects_the_replica_pods() -> None:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from deploy.plan import load
+from deploy.plan import gateway_workers, load
 from planner.cli import main
 from planner.memory import GIB
 from planner.planning import split_vllm_args
@@ -38,6 +38,15 @@ def test_reference_csv_plans_two_replicas_at_0_45_like_the_paper(tmp_path: Path,
     assert memory["sources"]["overhead"].startswith("default 1 GiB")
     assert reasoning["layout"]["fit"] == 2
     assert "B* = 256" in capsys.readouterr().out
+    sizing = reasoning["gateway_workers"]  # 2 x ~10,800 tok/s x the workload's output share, 21 us/event
+    assert plan.gateway.workers == sizing["workers"] == gateway_workers(sizing["expected_output_tok_s"]) >= 1
+    assert 0 < sizing["expected_output_tok_s"] <= 2 * reasoning["batch"]["best_tok_s"]
+
+
+def test_gateway_workers_follow_the_expected_token_rate() -> None:
+    """One event per output token at 21 us, half a core per worker: 23,810 events/s per worker."""
+    assert gateway_workers(0) == 1 and gateway_workers(23_800) == 1 and gateway_workers(23_900) == 2
+    assert gateway_workers(65_000) == 3  # four OPT-125M replicas on an H100 (the issue's flagship case)
 
 
 def test_full_length_requests_leave_room_for_one_replica(tmp_path: Path) -> None:
