@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from .config import POLICY_NAMES, ConfigError, GatewayConfig, from_mapping, load_yaml
+from .limits import raise_fd_limit
 
 if TYPE_CHECKING:
     from .control import ControlPlane
@@ -110,7 +111,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(f"gateway: bad configuration: {exc}", file=sys.stderr)
         sys.exit(2)
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    serve(config, lambda: build_config(args))
+    raise_fd_limit()  # here, in the first process, before the workers start (they inherit it) or files are opened
+    try:
+        serve(config, lambda: build_config(args))
+    except ConfigError as exc:  # found at start, e.g. a tokenizer path that does not exist
+        print(f"gateway: bad configuration: {exc}", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

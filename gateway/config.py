@@ -19,6 +19,13 @@ YAML (every key optional; flags given on the command line win over the file):
     max_body_bytes: 4194304
     workers: 1                            # worker processes on the one port; auto: one per CPU available
     feedback: {enabled: false, interval_s: 0.5, timeout_s: 1}  # blend in each replica's own load (vLLM /metrics)
+    clients:                              # what a client may take (see SECURITY.md)
+      header_timeout_s: 20                # a whole request head, from its first byte (408 past it)
+      body_timeout_s: 20                  # between two reads of a request body (408 past it)
+      body_min_bytes_per_s: 1024          # a body's average rate after its first body_timeout_s (408 below it)
+      send_timeout_s: 60                  # an answer the client reads nothing of for this long is cut off
+      keepalive_s: 75                     # an idle keep-alive connection is closed after this
+      max_connections: null               # per worker; null: (file-descriptor limit - 64) / 2
     api_keys: [sk-client-1]               # clients must send one of these as a Bearer token
     upstream_api_key: sk-upstream         # sent to the replicas
 """
@@ -148,6 +155,26 @@ class QueueConfig:
 
 
 @dataclass(frozen=True)
+class ClientConfig:
+    """How long clients may take (as nginx's client_*_timeout, send_timeout) and how many may be connected."""
+
+    header_timeout_s: float = 20.0
+    body_timeout_s: float = 20.0
+    body_min_bytes_per_s: float = 1024.0
+    send_timeout_s: float = 60.0
+    keepalive_s: float = 75.0
+    max_connections: int | None = None  # None: derived from the file-descriptor limit (gateway/limits.py)
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            if f.name != "max_connections":
+                _positive(f"clients.{f.name}", getattr(self, f.name))
+        value = self.max_connections
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+            raise ConfigError(f"clients.max_connections must be a positive integer or null, got {value!r}")
+
+
+@dataclass(frozen=True)
 class FeedbackConfig:
     """Replica-load feedback: scrape every replica's vLLM /metrics every `interval_s` and blend it in."""
 
@@ -201,6 +228,7 @@ class GatewayConfig:
     max_body_bytes: int = 4 * 1024 * 1024
     workers: int = 1
     feedback: FeedbackConfig = field(default_factory=FeedbackConfig)
+    clients: ClientConfig = field(default_factory=ClientConfig)
     api_keys: tuple[str, ...] = ()
     upstream_api_key: str | None = None
     log_level: str = "info"
@@ -230,7 +258,7 @@ class GatewayConfig:
 
 
 _SECTIONS = {"timeouts": Timeouts, "health": HealthConfig, "retry": RetryConfig, "queue": QueueConfig,
-             "feedback": FeedbackConfig}
+             "feedback": FeedbackConfig, "clients": ClientConfig}
 
 
 def _build(cls: type, where: str, data: Any) -> Any:

@@ -2,8 +2,10 @@
 
     GatewayError                    a request the gateway answers with an OpenAI-style error body
      ├── status 400/401/404/405/413 the client's mistake (bad JSON, wrong type, unknown model, ...)
+     ├── status 408                 the client took too long to send its request (server.py)
      ├── status 429                 every replica is at its cap and the queue is full or waited too long
-     └── status 502/503/504         no replica could serve it (none healthy, all failed, timed out)
+     ├── status 502/503/504         no replica could serve it (none healthy, all failed, timed out)
+     └── status 503 + Retry-After   the gateway is out of connections or file descriptors (overloaded)
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ _TYPES = {
     403: "permission_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
     413: "invalid_request_error",
     429: "rate_limit_error",
 }
@@ -48,3 +51,8 @@ class GatewayError(Exception):
 
 def bad_request(message: str, param: str | None = None) -> GatewayError:
     return GatewayError(400, message, param=param, code="invalid_value" if param else None)
+
+
+def overloaded(message: str) -> GatewayError:
+    """503 with Retry-After: the gateway itself has no room (connections, file descriptors), not a replica."""
+    return GatewayError(503, message, code="server_overloaded", headers={"Retry-After": "1"})
