@@ -63,12 +63,13 @@ class Gateway:
         own = table is None
         self.table = table if table is not None else LoadTable.create(rows=2)
         self.row = row
-        self.follower = Follower(self.table, row, self.router)
+        self._cards_changed = asyncio.Event()  # the replicas' model cards changed: look for tokenizers
+        self.follower = Follower(self.table, row, self.router, self._cards_changed.set)
         self.control = (ControlPlane(config, self.table, range(1, 2), resolver, on_change=self.follower.sync)
                         if own else None)
         self.follower.sync()
         self.metrics = Metrics(self.router, self.table, row, range(1, self.table.rows))
-        self.counter = TokenCounter(config.tokenizer_map())
+        self.counter = TokenCounter.from_sources(config.tokenizer_map())  # at start: never from a request
         self.proxy: Proxy | None = None
         self._ids = random.Random(os.urandom(16))  # request ids: unique, not secret; no syscall per request
         self._pool: UpstreamPool | None = None
@@ -101,7 +102,16 @@ class Gateway:
         self._pool = UpstreamPool(self.config.timeouts.connect_s)
         worker = str(os.getpid()) if self.config.workers > 1 else None
         self.proxy = Proxy(self.config, self.router, self._pool, self.metrics, worker)
-        self._tasks = [asyncio.create_task(self.follower.run(), name="replica-set-follower")]
+        self._tasks = [asyncio.create_task(self.follower.run(), name="replica-set-follower"),
+                       asyncio.create_task(self._learn_tokenizers(), name="tokenizer-discovery")]
+
+    async def _learn_tokenizers(self) -> None:
+        """Load the tokenizers of models whose cards name a local directory, as replicas report them."""
+        while True:
+            await self._cards_changed.wait()
+            self._cards_changed.clear()
+            cards = {m: c for r in list(self.router.replicas.values()) for m, c in r.cards.items()}
+            await self.counter.discover(cards)
 
     def serving(self) -> None:
         """Mark this process's row as serving (the supervisor waits for it; /metrics counts it)."""
@@ -156,7 +166,7 @@ class Gateway:
     # -- routes -----------------------------------------------------------------------------------------------
     def _generation(self, endpoint: str) -> Route:
         async def handle(request: Request, responder: Responder, request_id: str) -> Response | None:
-            info = parse(request.body, endpoint, self.counter, self.config.default_max_tokens)
+            info = parse(request.body, endpoint, self.counter, self.config.default_max_tokens, self.router.check_model)
             assert self.proxy is not None
             return await self.proxy.forward(request, responder, info, request_id)
         return handle

@@ -12,6 +12,7 @@ import logging
 import aiohttp
 
 from .config import HealthConfig
+from .limits import OUT_OF_DESCRIPTORS
 from .replicas import Replica
 from .replicaset import Entry, ReplicaSet
 
@@ -50,6 +51,10 @@ class HealthChecker:
             if ok and (refresh_models or not entry.healthy or not entry.cards):
                 cards = await self._models(entry, timeout)
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            if isinstance(exc, OSError) and exc.errno in OUT_OF_DESCRIPTORS:
+                # The gateway is out of file descriptors, which says nothing about the replica: keep its state.
+                logger.warning("cannot probe %s: %s", entry.url, exc)
+                return
             ok = False
             logger.debug("probe of %s failed: %r", entry.url, exc)
         self._replicas.set_health(entry, ok, cards)

@@ -10,7 +10,7 @@ from typing import Any
 import msgspec
 
 from .errors import GatewayError, bad_request
-from .tokens import CHAT_TOKENS_PER_MESSAGE, TokenCounter
+from .tokens import CHAT_TOKENS_PER_MESSAGE, Count, TokenCounter
 
 
 @dataclass(frozen=True)
@@ -29,6 +29,8 @@ def load_json(raw: bytes) -> dict[str, Any]:
         body = msgspec.json.decode(raw)
     except msgspec.MsgspecError as exc:
         raise bad_request(f"the request body is not valid JSON: {exc}") from None
+    except RecursionError:  # msgspec's answer to arrays or objects nested about 1000 deep
+        raise bad_request("the request body is nested too deeply") from None
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
     return body
@@ -63,15 +65,29 @@ def _stream(body: dict[str, Any]) -> bool:
     return stream
 
 
-def _text_tokens(prompt: Any, model: str, counter: TokenCounter, param: str) -> int:
-    """Tokens in a prompt given as a string, a list of strings, token ids, or lists of token ids."""
+def _is_ids(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
+def _text_tokens(prompt: Any, count: Count, param: str) -> int:
+    """Tokens in a prompt given as a string, a list of strings, token ids, or lists of token ids (nothing deeper)."""
     if isinstance(prompt, str):
-        return counter.count(model, prompt)
+        return count(prompt)
+    if _is_ids(prompt):
+        return len(prompt)
     if isinstance(prompt, list):
-        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            return len(prompt)
-        return sum(_text_tokens(p, model, counter, param) for p in prompt)
-    raise bad_request(f"'{param}' must be a string, a list of strings or a list of token ids", param)
+        total = 0
+        for item in prompt:
+            if isinstance(item, str):
+                total += count(item)
+            elif _is_ids(item):
+                total += len(item)
+            else:
+                break
+        else:
+            return total
+    raise bad_request(f"'{param}' must be a string, a list of strings, a list of token ids or a list of lists of "
+                      "token ids", param)
 
 
 def chat_tokens(messages: Any, count: Callable[[str], int]) -> int:
@@ -91,25 +107,32 @@ def chat_tokens(messages: Any, count: Callable[[str], int]) -> int:
     return total
 
 
-def parse(raw: bytes, endpoint: str, counter: TokenCounter, default_max_tokens: int) -> RequestInfo:
-    """Parse a /v1/completions, /v1/chat/completions or /v1/embeddings body."""
+def parse(raw: bytes, endpoint: str, counter: TokenCounter, default_max_tokens: int,
+          check_model: Callable[[str], None] | None = None) -> RequestInfo:
+    """Parse a /v1/completions, /v1/chat/completions or /v1/embeddings body.
+
+    `check_model` may refuse the model (404) before any work that depends on it.
+    """
     body = load_json(raw)
     model = _model(body)
+    if check_model is not None:
+        check_model(model)
+    count = counter.counter(model, len(raw))
     if endpoint == "embeddings":
         if "input" not in body:
             raise bad_request("you must provide an input parameter", "input")
-        return RequestInfo(model, _text_tokens(body["input"], model, counter, "input"), 0, False)
+        return RequestInfo(model, _text_tokens(body["input"], count, "input"), 0, False)
     stream = _stream(body)
     n = _int_field(body, "n", 1) or 1
     if endpoint == "chat":
-        prompt_tokens = chat_tokens(body.get("messages"), lambda text: counter.count(model, text))
+        prompt_tokens = chat_tokens(body.get("messages"), count)
         per_choice = _int_field(body, "max_completion_tokens", 0)
         if per_choice is None:
             per_choice = _int_field(body, "max_tokens", 0)
     else:
         if "prompt" not in body:
             raise bad_request("you must provide a prompt parameter", "prompt")
-        prompt_tokens = _text_tokens(body["prompt"], model, counter, "prompt")
+        prompt_tokens = _text_tokens(body["prompt"], count, "prompt")
         per_choice = _int_field(body, "max_tokens", 0)
     budget = default_max_tokens if per_choice is None else per_choice
     return RequestInfo(model, prompt_tokens, budget * n, stream)

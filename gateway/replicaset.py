@@ -167,10 +167,12 @@ class ReplicaSet:
 class Follower:
     """Keeps one worker's router equal to the published replica set; writes the worker's heartbeat and queue."""
 
-    def __init__(self, table: LoadTable, row: int, router: Router) -> None:
+    def __init__(self, table: LoadTable, row: int, router: Router,
+                 on_cards: Callable[[], None] | None = None) -> None:
         self._table = table
         self._row = row
         self._router = router
+        self._on_cards = on_cards  # told when the published set (model cards included) has changed
         self._version = -1
         self._hi = -1
         self._blob_seq = -1
@@ -195,6 +197,8 @@ class Follower:
         if table.cells[H_BLOB_SEQ] != self._blob_seq:
             self._blob_seq, data = table.read_blob()
             self._entries = json.loads(data) if data else []
+            if self._on_cards is not None:
+                self._on_cards()
         rebind, self._hi = hi != self._hi, hi
         router, woke, seen = self._router, False, set()
         for item in self._entries:

@@ -70,6 +70,14 @@ class Router:
         return [r for r in self.replicas.values()
                 if r.healthy and not r.draining and r.serves(info.model) and r.url not in exclude]
 
+    def check_model(self, model: str) -> None:
+        """404 for a model no replica lists, once some replica is healthy to say so (until then routing answers 503)."""
+        for replica in self.replicas.values():
+            if model in replica.models:
+                return
+        if any(r.healthy for r in self.replicas.values()):
+            raise not_found(model)
+
     def _no_candidate(self, info: RequestInfo, exclude: frozenset[str]) -> GatewayError:
         known = any(info.model in r.models for r in self.replicas.values())
         if info.model and not known and any(r.healthy for r in self.replicas.values()):

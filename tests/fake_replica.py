@@ -41,6 +41,7 @@ class FakeBehavior:
     fail: str | None = None  # None, "refuse", "error", "stall", "die_midstream", "stall_midstream"
     die_after: int = 2
     healthy: bool = True
+    root: str | None = None  # the model card's `root` (vLLM: the path or id the model was loaded from)
     metrics_page: str | None = None  # serve this text as /metrics instead of the live counts (a real vLLM page)
 
 
@@ -180,9 +181,10 @@ async def embeddings(request: web.Request) -> web.Response:
 
 
 async def models(request: web.Request) -> web.Response:
-    name = request.app[BEHAVIOR].model
+    name, root = request.app[BEHAVIOR].model, request.app[BEHAVIOR].root
     return web.json_response({"object": "list", "data": [
-        {"id": name, "object": "model", "created": 0, "owned_by": "vllm", "root": name, "max_model_len": 2048}]})
+        {"id": name, "object": "model", "created": 0, "owned_by": "vllm", "root": root or name,
+         "max_model_len": 2048}]})
 
 
 async def health(request: web.Request) -> web.Response:

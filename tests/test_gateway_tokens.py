@@ -21,13 +21,20 @@ def make_tokenizer(directory: Path) -> Tokenizer:
     return tok
 
 
-def test_local_model_directory_tokenizer_is_used(tmp_path: Path) -> None:
-    """A model served from a local directory is counted with the tokenizer in that directory, loaded once."""
+def test_named_tokenizer_is_used(tmp_path: Path) -> None:
+    """A model the config names a tokenizer for (a directory or the file) is counted with it."""
     tok = make_tokenizer(tmp_path / "model")
-    counter = TokenCounter()
+    counter = TokenCounter.from_sources({"m": str(tmp_path / "model"), "f": str(tmp_path / "model" / "tokenizer.json")})
     text = "the quick brown fox"
-    assert counter.count(str(tmp_path / "model"), text) == len(tok.encode(text).ids)
-    assert counter.tokenizer(str(tmp_path / "model")) is counter.tokenizer(str(tmp_path / "model"))
+    assert counter.count("m", text) == counter.count("f", text) == len(tok.encode(text).ids) != estimate(text)
+
+
+def test_a_model_named_by_its_path_is_not_loaded(tmp_path: Path) -> None:
+    """A model string that happens to be a tokenizer's directory is estimated, not loaded: only names are looked up."""
+    make_tokenizer(tmp_path / "model")
+    counter = TokenCounter()
+    assert counter.count(str(tmp_path / "model"), "x" * 40) == 10
+    assert len(counter) == 0
 
 
 def test_estimate_without_a_tokenizer() -> None:
