@@ -11,6 +11,7 @@ import math
 import os
 import random
 import socket
+import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import replace
 
@@ -25,7 +26,7 @@ from .policies import make_policy
 from .proxy import Proxy
 from .replicaset import Follower
 from .router import Router
-from .server import HttpServer, Request, Responder, Response
+from .server import Deadlines, HttpServer, Request, Responder, Response
 from .table import R_PID, R_STATE, STATE_READY, LoadTable
 from .tokens import TokenCounter
 from .upstream import UpstreamPool
@@ -99,7 +100,11 @@ class Gateway:
         """Open the replica clients; start following the replica set (and, in one process, the control plane)."""
         if self.control is not None:
             await self.control.start()
-        self._pool = UpstreamPool(self.config.timeouts.connect_s)
+        https = any(r.url.startswith("https:") for r in self.config.replicas) or any(
+            d.scheme == "https" for d in self.config.discovery)
+        # the CA bundle is read now, at start: a file opened on a request's path may find no descriptor left
+        self._pool = UpstreamPool(self.config.timeouts.connect_s,
+                                  ssl_context=ssl.create_default_context() if https else None)
         worker = str(os.getpid()) if self.config.workers > 1 else None
         self.proxy = Proxy(self.config, self.router, self._pool, self.metrics, worker)
         self._tasks = [asyncio.create_task(self.follower.run(), name="replica-set-follower"),
@@ -203,7 +208,11 @@ async def running(config: GatewayConfig, resolver: Resolver | None = None, rng: 
     """The gateway serving on `config.host`:`config.port`, or on `sock` (the bound port is yielded: useful with 0)."""
     gateway = Gateway(config, resolver, rng, table=table, row=row)
     await gateway.start()
-    server = HttpServer(gateway.handle, config.max_body_bytes)
+    clients = config.clients
+    server = HttpServer(gateway.handle, config.max_body_bytes, clients.keepalive_s,
+                        deadlines=Deadlines(clients.header_timeout_s, clients.body_timeout_s,
+                                            clients.body_min_bytes_per_s, clients.send_timeout_s),
+                        max_connections=clients.max_connections)
     try:
         port = await server.start(config.host, config.port, sock=sock)
         gateway.serving()

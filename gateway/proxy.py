@@ -13,8 +13,9 @@ import asyncio
 import logging
 
 from .config import GatewayConfig
-from .errors import GatewayError
+from .errors import GatewayError, overloaded
 from .health import eject
+from .limits import OUT_OF_DESCRIPTORS, Throttled
 from .metrics import Metrics
 from .parsing import RequestInfo
 from .replicas import Lease
@@ -67,6 +68,7 @@ class Proxy:
         self._pool = pool
         self._metrics = metrics
         self._origins: dict[str, Origin] = {}
+        self._out_of_descriptors = Throttled(logger)
         self._loop = asyncio.get_running_loop()  # once: each lookup is a getpid() system call on Python 3.11
         timeouts = config.timeouts
         self._watchdogs = _Watchdogs(self._loop, max(0.01, min(1.0, timeouts.first_byte_s / 10, timeouts.idle_s / 10)))
@@ -137,6 +139,10 @@ class Proxy:
                 if not self._watchdogs.timed_out(watch):
                     raise  # the client went away, or the gateway is stopping
                 failure = TimeoutError()
+            elif isinstance(exc, OSError) and exc.errno in OUT_OF_DESCRIPTORS:
+                # the gateway's own shortage: neither the replica's fault (no ejection) nor helped by a retry
+                self._out_of_descriptors.warning("out of file descriptors connecting to %s: %s", replica.url, exc)
+                raise overloaded("the gateway is out of file descriptors; retry shortly") from None
             elif not isinstance(exc, (_Retryable, OSError)):
                 raise
             retryable = _retryable(failure, replica.url)
