@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import io
 import json
 import os
 import random
@@ -629,7 +630,7 @@ async def test_300_streams_under_ulimit_256_are_served_or_refused_cleanly(
         assert "out of file descriptors" not in text
     else:  # how many it serves depends on when the descriptors run out; none fails uncleanly
         assert counts.get("refused", 0) >= 1, counts
-        assert "out of file descriptors" in text
+        assert "out of file descriptors (Too many open files)" in text  # in accept()
 
 
 async def test_gateway_raises_its_soft_descriptor_limit_at_start(fake_replica: FakeFactory, tmp_path: Path) -> None:
@@ -648,3 +649,150 @@ def test_raise_fd_limit_in_process() -> None:
     limit = raise_fd_limit()
     assert limit.soft == resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     assert limit.soft == limit.hard or limit.hard == resource.RLIM_INFINITY
+
+
+async def test_pipelined_bodies_are_bounded_per_connection() -> None:
+    """A client pipelining many large bodies behind a slow request is no longer read once more than max_body of
+    them wait: the server holds about twice max_body per connection (plus what one read brought), not all the
+    client sends; all are answered in the end."""
+    echo = Echo(delays={"/slow": 0.5})
+    body = b"b" * 700
+    post = b"POST /p HTTP/1.1\r\nHost: t\r\nContent-Length: %d\r\n\r\n%b" % (len(body), body)
+    async with serving(echo, max_body=1000) as (server, port), connect(port) as (reader, writer):
+        writer.write(GET % b"/slow")
+        for _ in range(40):  # one at a time: what one read brings is parsed whole, however much it is
+            writer.write(post)
+            await writer.drain()
+            await asyncio.sleep(0.002)
+        (conn,) = server.connections
+        assert conn._reading_paused and conn._queued <= 2 * 1000 and len(conn._queue) <= 3
+        replies = [await asyncio.wait_for(read_reply(reader), 5.0) for _ in range(41)]
+    assert [r.status for r in replies] == [200] * 41
+
+
+# -- 4. who can reach what ----------------------------------------------------------------------------------------
+def test_exposure_defaults() -> None:
+    """The gateway listens on every interface by default; `deploy up` binds the replicas to 127.0.0.1 only."""
+    from deploy.launch import gateway_config
+    from deploy.plan import Plan, ReplicaSpec
+    from deploy.process import vllm_argv
+    from deploy.up import UpConfig
+    from gateway.config import from_mapping
+
+    assert from_mapping({"replicas": ["http://a:1"]}).host == "0.0.0.0"
+    assert UpConfig.__dataclass_fields__["replica_host"].default == "127.0.0.1"
+    plan = Plan(model="m", replicas=(ReplicaSpec("a", "m", 8001), ReplicaSpec("b", "m", 8002)))
+    argv = vllm_argv(plan.replicas[0])
+    assert argv[argv.index("--host") + 1] == "127.0.0.1"
+    config = gateway_config(plan)
+    assert config["host"] == "0.0.0.0"
+    assert [r["url"] for r in config["replicas"]] == ["http://127.0.0.1:8001", "http://127.0.0.1:8002"]
+
+
+async def test_keys_guard_v1_and_never_reach_the_replicas(aiohttp_server: Any, gateway_for: GatewayFactory) -> None:
+    """With api_keys, /v1/* needs a key while /health, /ready and /metrics stay open; what reaches a replica is the
+    method, path, body (re-framed with a Content-Length), Content-Type, the request id and the upstream key: not
+    the client's key, cookies or other headers."""
+    from aiohttp import web
+
+    from tests.fake_replica import FakeBehavior, make_app
+
+    app = make_app(FakeBehavior())
+    seen: list[dict[str, str]] = []
+
+    @web.middleware
+    async def record(request: web.Request, handler: Any) -> web.StreamResponse:
+        if request.path == "/v1/completions":
+            seen.append(dict(request.headers))
+        return await handler(request)  # type: ignore[no-any-return]
+
+    app.middlewares.append(record)
+    fake = await aiohttp_server(app)
+    gw = await gateway_for([str(fake.make_url("")).rstrip("/")], api_keys=["sk-client"],
+                           upstream_api_key="sk-upstream")
+    async with aiohttp.ClientSession() as session:
+        for path in ("/health", "/ready", "/metrics"):
+            async with session.get(gw.url + path) as resp:
+                assert resp.status == 200, path
+        async with session.get(gw.url + "/v1/models") as resp:
+            assert resp.status == 401
+        async def chunks() -> AsyncIterator[bytes]:
+            yield b'{"model": "fake-model", '
+            yield b'"prompt": "x", "max_tokens": 2}'
+
+        headers = {"Authorization": "Bearer sk-client", "Cookie": "session=secret", "X-Forwarded-For": "6.6.6.6",
+                   "X-Custom": "1", "Content-Type": "application/json"}
+        async with session.post(gw.url + "/v1/completions", data=chunks(), headers=headers) as resp:
+            assert resp.status == 200
+            assert resp.request_info.headers.get("Transfer-Encoding") == "chunked"
+    (upstream,) = seen
+    assert upstream["Authorization"] == "Bearer sk-upstream"
+    assert {k.lower() for k in upstream} == {"host", "content-length", "x-request-id", "content-type", "authorization"}
+    assert int(upstream["Content-Length"]) == len(b'{"model": "fake-model", "prompt": "x", "max_tokens": 2}')
+
+
+async def test_requests_import_and_open_nothing(fake_replica: FakeFactory, tmp_path: Path) -> None:
+    """Once started, serving every kind of request (and error, and health probe) imports no module and opens no
+    file: Python's audit hooks see neither, so nothing on a request's path needs a free file descriptor but its
+    sockets."""
+    fake = await fake_replica()
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "tests.audit_runner", fake.url, cwd=ROOT,
+                                                stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                                stderr=subprocess.DEVNULL)
+    assert proc.stdin is not None and proc.stdout is not None
+    try:
+        async with asyncio.timeout(30):
+            port = int(await proc.stdout.readline())
+            assert (await proc.stdout.readline()).strip() == b"armed"
+        url = f"http://127.0.0.1:{port}"
+        completion = {"model": "fake-model", "prompt": "x", "max_tokens": 3}
+        async with aiohttp.ClientSession() as session:
+            for method, path, body in [
+                ("POST", "/v1/completions", completion), ("POST", "/v1/completions", {**completion, "stream": True}),
+                ("POST", "/v1/chat/completions", {"model": "fake-model", "messages": [{"role": "user", "content": "x"}],
+                                                  "stream": True}),
+                ("POST", "/v1/embeddings", {"model": "fake-model", "input": ["a", "b"]}),
+                ("POST", "/v1/completions", {"model": "/etc/passwd", "prompt": "x"}),
+                ("POST", "/v1/completions", {"model": "fake-model"}), ("POST", "/v1/other", {"model": "fake-model"}),
+                ("GET", "/v1/completions", None), ("GET", "/metrics", None), ("GET", "/v1/models", None),
+                ("GET", "/ready", None), ("GET", "/health", None), ("GET", "/nope", None),
+            ]:
+                async with session.request(method, url + path, json=body) as resp:
+                    await resp.read()
+                    assert resp.status < 500, (path, resp.status)
+            async with session.post(url + "/v1/completions", data=b"[" * 5000) as resp:
+                assert resp.status == 400
+            async with session.post(url + "/v1/completions", data=io.BytesIO(b"x" * (5 << 20))) as resp:
+                assert resp.status == 413
+        async with connect(port) as (reader, writer):
+            writer.write(b"NOT HTTP\r\n\r\n")
+            assert (await read_reply(reader)).status == 400
+        await asyncio.sleep(0.5)  # a few health probes
+    finally:
+        proc.stdin.close()
+        out, _ = await asyncio.wait_for(proc.communicate(), 30)
+    events = [json.loads(line) for line in out.decode().splitlines() if line.strip()]
+    assert events == []
+
+
+async def test_https_replicas_ca_bundle_is_read_at_start(gateway_for: GatewayFactory) -> None:
+    """With an https replica, the TLS context (the system CA bundle) is built at start, not by the first request."""
+    gw = await gateway_for(["https://127.0.0.1:9"])
+    assert gw.gateway._pool is not None and gw.gateway._pool._ssl is not None
+
+
+def test_overload_warnings_are_rate_limited(caplog: pytest.LogCaptureFixture) -> None:
+    """A warning every request would repeat under overload is logged at most once a second, with a count."""
+    import logging
+
+    from gateway.limits import Throttled
+
+    throttled = Throttled(logging.getLogger("test.throttled"), interval_s=0.2)
+    with caplog.at_level(logging.WARNING, logger="test.throttled"):
+        for _ in range(1000):
+            throttled.warning("out of %s", "descriptors")
+        time.sleep(0.25)
+        throttled.warning("out of %s", "descriptors")
+    assert [r.getMessage() for r in caplog.records] == [
+        "out of descriptors (1 time(s) since the last such warning)",
+        "out of descriptors (1000 time(s) since the last such warning)"]
