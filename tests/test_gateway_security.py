@@ -137,7 +137,7 @@ async def test_flood_of_unknown_models_grows_nothing(fake_replica: FakeFactory, 
             assert resp.status == 200
         async with session.get(gw.url + "/metrics") as resp:
             before = await resp.text()
-        answers = (dict(metrics._answers.counts), set(metrics._answers.latency))
+        answers = (dict(metrics._counts), set(metrics._latency), set(metrics._store._index))
 
         async def probe(i: int) -> int:
             path = random.choice(["/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/x"])
@@ -151,7 +151,7 @@ async def test_flood_of_unknown_models_grows_nothing(fake_replica: FakeFactory, 
             after = await resp.text()
     assert set(statuses) == {404}
     assert len(gw.gateway.counter) == 0
-    assert (dict(metrics._answers.counts), set(metrics._answers.latency)) == answers
+    assert (dict(metrics._counts), set(metrics._latency), set(metrics._store._index)) == answers
     assert "m-1" not in after
     families = lambda text: sorted(line.split("{")[0] for line in text.splitlines() if not line.startswith("#"))
     assert families(after) == families(before)  # the same series (404s are not counted as rejections)
@@ -160,16 +160,19 @@ async def test_flood_of_unknown_models_grows_nothing(fake_replica: FakeFactory, 
 
 async def test_tokenizer_found_from_a_replica_model_root(fake_replica: FakeFactory, gateway_for: GatewayFactory,
                                                          loads: list[str], tmp_path: Path) -> None:
-    """A replica whose model card's root is a local directory with a tokenizer.json gets that model counted exactly."""
+    """A replica whose model card's root is a local directory with a tokenizer.json gets that model counted exactly
+    (loaded in the background once a probe reports the card)."""
     tok = make_tokenizer(tmp_path / "model")
     fake = await fake_replica(root=str(tmp_path / "model"))
-    gw = await gateway_for([fake.url])  # probed once: the root is found then, before the replica takes traffic
-    assert loads == [str(tmp_path / "model")]
+    gw = await gateway_for([fake.url])
     counter = gw.gateway.counter
+    await until(lambda: counter.knows("fake-model"), 5.0)
+    assert loads == [str(tmp_path / "model")]
     assert counter.knows("fake-model")
     text = "the quick brown fox"
     assert counter.count("fake-model", text) == len(tok.encode(text).ids)
     await gw.gateway.health.probe_all()  # type: ignore[union-attr]
+    await asyncio.sleep(0.1)
     assert len(loads) == 1  # tried once
 
 
@@ -180,6 +183,7 @@ async def test_model_root_that_is_not_a_local_path_is_not_loaded(fake_replica: F
     """A card root that is a hub id or a relative path is left alone."""
     fake = await fake_replica(root=root)
     gw = await gateway_for([fake.url])
+    await asyncio.sleep(0.2)  # time enough for the background discovery (the test above takes well under that)
     assert loads == [] and len(gw.gateway.counter) == 0
 
 
@@ -642,6 +646,21 @@ async def test_gateway_raises_its_soft_descriptor_limit_at_start(fake_replica: F
     text = log.read_text()
     assert "file descriptors: soft limit 4096 (was 300), hard limit 4096" in text
     assert f"accepting up to {(4096 - RESERVED) // 2} client connections" in text
+
+
+async def test_workers_inherit_the_raised_limit_and_cap_connections_each(fake_replica: FakeFactory,
+                                                                          tmp_path: Path) -> None:
+    """With --workers 2 the supervisor raises the limit before starting the workers; each worker has it and caps
+    its own connections (the cap is per worker)."""
+    fake = await fake_replica()
+    async with gateway_process(tmp_path, fake.url, 300, 4096, workers=2) as (_, proc, log):
+        text = log.read_text()
+        pids = [int(p) for p in re.search(r"pids ([\d, ]+)", text).group(1).split(", ")]  # type: ignore[union-attr]
+        limits = [Path(f"/proc/{pid}/limits").read_text() for pid in pids]
+    assert len(pids) == 2 and proc.pid not in pids
+    assert all(re.search(r"Max open files\s+4096\s+4096", lim) for lim in limits)
+    assert text.count("file descriptors: soft limit 4096 (was 300)") == 1  # once, in the supervisor
+    assert text.count(f"accepting up to {(4096 - RESERVED) // 2} client connections") == 2
 
 
 def test_raise_fd_limit_in_process() -> None:
