@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from .config import POLICY_NAMES, ConfigError, GatewayConfig, from_mapping, load_yaml
 from .limits import raise_fd_limit
+from .tokens import check_sources
 
 if TYPE_CHECKING:
     from .control import ControlPlane
@@ -107,16 +108,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = _parser().parse_args(argv)
     try:
         config = build_config(args)
+        check_sources(config.tokenizer_map())  # here: with --workers, a worker finding it would only be restarted
     except ConfigError as exc:
         print(f"gateway: bad configuration: {exc}", file=sys.stderr)
         sys.exit(2)
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     raise_fd_limit()  # here, in the first process, before the workers start (they inherit it) or files are opened
-    try:
-        serve(config, lambda: build_config(args))
-    except ConfigError as exc:  # found at start, e.g. a tokenizer path that does not exist
-        print(f"gateway: bad configuration: {exc}", file=sys.stderr)
-        sys.exit(2)
+    serve(config, lambda: build_config(args))
 
 
 if __name__ == "__main__":

@@ -63,6 +63,13 @@ def load(source: str | Path, max_bytes: int | None = None) -> HFTokenizer | None
         return None
 
 
+def check_sources(sources: Mapping[str, str]) -> None:
+    """ConfigError naming the first tokenizer path that does not exist."""
+    for model, source in sources.items():
+        if not os.path.exists(source):
+            raise ConfigError(f"tokenizers: {model!r} names {source!r}, which does not exist")
+
+
 def _exact(tokenizer: HFTokenizer) -> Count:
     encode = tokenizer.encode
     return lambda text: len(encode(text).ids)
@@ -81,10 +88,9 @@ class TokenCounter:
     @classmethod
     def from_sources(cls, sources: Mapping[str, str]) -> TokenCounter:
         """Load the tokenizers the config names; a path that does not exist is a configuration error."""
+        check_sources(sources)
         counter = cls()
         for model, source in sources.items():
-            if not os.path.exists(source):
-                raise ConfigError(f"tokenizers: {model!r} names {source!r}, which does not exist")
             tokenizer = load(source)
             if tokenizer is not None:
                 counter.add(model, tokenizer)

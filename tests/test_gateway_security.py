@@ -209,11 +209,12 @@ def test_found_tokenizer_must_be_a_small_regular_file(tmp_path: Path) -> None:
     assert tokens_module.load(tmp_path / "big", 1 << 20) is not None
 
 
-def test_named_tokenizer_that_does_not_exist_is_refused_at_start(tmp_path: Path) -> None:
+@pytest.mark.parametrize("workers", [1, 2])
+def test_named_tokenizer_that_does_not_exist_is_refused_at_start(tmp_path: Path, workers: int) -> None:
     """`tokenizers:` naming a path that does not exist stops `gateway serve` at start with a message naming it."""
     config = tmp_path / "gateway.yaml"
     config.write_text(json.dumps({"replicas": ["http://127.0.0.1:9"], "port": 0, "host": "127.0.0.1",
-                                  "tokenizers": {"m": str(tmp_path / "missing")}}))
+                                  "workers": workers, "tokenizers": {"m": str(tmp_path / "missing")}}))
     with pytest.raises(ConfigError, match="missing"):
         TokenCounter.from_sources({"m": str(tmp_path / "missing")})
     out = subprocess.run([sys.executable, "-m", "gateway.cli", "serve", "--config", str(config)], cwd=ROOT,
