@@ -535,7 +535,10 @@ class HttpServer:
                     return
                 if exc.errno in _GONE_ON_ACCEPT:
                     continue
-                raise
+                self.warn("accept() failed (%s): not accepting for %g s", exc, _ACCEPT_RETRY_S)  # ENOBUFS, ENOMEM
+                self._pause_accepting()
+                self._retry = self.loop.call_later(_ACCEPT_RETRY_S, self._retry_accepting)
+                return
             self._attach(sock, over=self._serving >= self.max_connections)
         self._pause_accepting()
 

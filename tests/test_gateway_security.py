@@ -483,6 +483,48 @@ async def test_connections_beyond_the_refusals_wait_in_the_backlog(monkeypatch: 
         assert reply.status == 200 and json.loads(reply.body)["path"] == "/waiting"
 
 
+class FailingOnce:
+    """A listening socket whose first accept() fails with `code`."""
+
+    def __init__(self, sock: Any, code: int) -> None:
+        self.sock, self.code = sock, code
+
+    def fileno(self) -> int:
+        return int(self.sock.fileno())
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def accept(self) -> Any:
+        if self.code:
+            code, self.code = self.code, 0
+            raise OSError(code, os.strerror(code))
+        return self.sock.accept()
+
+
+@pytest.mark.parametrize("code", [errno.EMFILE, errno.ENOBUFS])
+async def test_accept_failures_are_overload(code: int) -> None:
+    """accept() out of descriptors: the spare one answers that client 503 + Retry-After; out of buffers: accepting
+    pauses briefly and the client is served. Either way the server accepts again afterwards."""
+    async with serving(Echo()) as (server, port):
+        server._pause_accepting()
+        server._listeners = [FailingOnce(server._listeners[0], code)]  # type: ignore[list-item]
+        server._resume_accepting()
+        async with connect(port) as (reader, writer):
+            writer.write(GET % b"/first")
+            first = await read_reply(reader)
+        async with connect(port) as (reader, writer):
+            writer.write(GET % b"/second")
+            second = await read_reply(reader)
+        assert server._spare is not None  # taken back
+    if code == errno.EMFILE:
+        assert first.status == 503 and first.headers["retry-after"] == "1"
+        assert assert_openai_error(first.body, 503)["code"] == "server_overloaded"
+    else:
+        assert first.status == 200
+    assert second.status == 200
+
+
 async def test_out_of_descriptors_in_a_handler_is_503() -> None:
     """A handler failing with EMFILE gets its client a 503 with Retry-After, not a 500; the connection serves on."""
     async def handler(request: Request, responder: Responder) -> Response:
