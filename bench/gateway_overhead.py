@@ -88,12 +88,12 @@ class WrkResult:
     errors: int
 
 
-def wrk(url: str, body: dict[str, object], connections: int, seconds: float) -> WrkResult:
+def wrk(url: str, body: dict[str, object], connections: int, seconds: float, threads: int = 1) -> WrkResult:
     with tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False) as script:
         script.write(f'wrk.method = "POST"\nwrk.body = {json.dumps(json.dumps(body))}\n'
                      'wrk.headers["Content-Type"] = "application/json"\n')
     try:
-        out = subprocess.run(["wrk", "-t1", f"-c{connections}", f"-d{int(seconds)}s", "--timeout", "30s", "-s", script.name,
+        out = subprocess.run(["wrk", f"-t{threads}", f"-c{connections}", f"-d{int(seconds)}s", "--timeout", "30s", "-s", script.name,
                               url + "/v1/completions"], capture_output=True, text=True, timeout=seconds + 30).stdout
     finally:
         os.unlink(script.name)
