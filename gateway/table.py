@@ -145,6 +145,7 @@ class LoadTable:
         for cell in (R_PID, R_STATE, R_QUEUE):
             self.cells[self.head_cell(row, cell)] = 0
         self.floats[self.head_cell(row, R_HEARTBEAT)] = 0.0
+        self.touch()  # its ejections lapsed: followers look again
 
     def clear_slot(self, slot: int) -> None:
         """A slot given to a new replica starts from nothing (its counters are all zero before it is reused)."""

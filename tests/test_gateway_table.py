@@ -190,3 +190,18 @@ async def test_feedback_does_not_count_the_gateways_own_requests_as_others(
         assert replica.inflight == 5 and a.stats.running == 5
         for stream in streams:
             stream.close()
+
+
+def test_a_dead_workers_ejections_and_reservations_go_with_its_row() -> None:
+    """The supervisor clears a dead worker's row: its leases and ejections no longer count anywhere."""
+    table, _, (one, two) = cluster(ReplicaConfig("http://a:1"), ReplicaConfig("http://b:1"))
+    Lease(one.replicas["http://a:1"], RequestInfo("m", 10, 5000, True), one.wake)
+    eject(one.replicas["http://b:1"], "test")
+    follower = Follower(table, 2, two)
+    follower.sync()
+    two.replicas["http://a:1"].refresh()
+    assert not two.replicas["http://b:1"].healthy and two.replicas["http://a:1"].outstanding == 5010
+    table.clear_row(1)
+    follower.sync()  # the same follower: the clearing itself must tell it to look again
+    two.replicas["http://a:1"].refresh()
+    assert two.replicas["http://b:1"].healthy and two.replicas["http://a:1"].outstanding == 0
