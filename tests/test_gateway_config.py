@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -64,3 +65,31 @@ def test_cli_refuses_bad_config_without_a_traceback(tmp_path: Path) -> None:
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
     assert "health.interval_s" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_workers_and_feedback_settings() -> None:
+    """`workers` takes a count or auto (the CPUs available); feedback is off unless enabled; bad values are named."""
+    from gateway.config import cpu_count
+
+    base = {"replicas": ["http://a:1"]}
+    assert from_mapping(base).workers == 1 and not from_mapping(base).feedback.enabled
+    assert from_mapping({**base, "workers": "auto"}).workers == cpu_count() >= 1
+    assert from_mapping({**base, "workers": "3"}).workers == 3
+    config = from_mapping({**base, "feedback": {"enabled": True, "interval_s": 0.25}})
+    assert config.feedback.enabled and config.feedback.interval_s == 0.25
+    for bad, name in (({"workers": 0}, "workers"), ({"workers": "many"}, "workers"),
+                      ({"feedback": {"enabled": "yes"}}, "feedback.enabled"),
+                      ({"feedback": {"interval_s": 0}}, "feedback.interval_s"),
+                      ({"feedback": {"every": 1}}, "every")):
+        with pytest.raises(ConfigError, match=name):
+            from_mapping({**base, **bad})
+
+
+def test_the_config_survives_the_trip_to_a_worker() -> None:
+    """The supervisor hands its workers the config as plain data: it reads back equal."""
+    from gateway.config import to_mapping
+
+    config = from_mapping({"replicas": ["http://a:1", {"url": "http://b:2", "weight": 2.0, "max_requests": 4}],
+                           "discovery": [{"name": "vllm.svc", "port": 8000}], "tokenizers": {"m": "/t"},
+                           "api_keys": ["k"], "workers": 2, "feedback": {"enabled": True}})
+    assert from_mapping(json.loads(json.dumps(to_mapping(config)))) == config
