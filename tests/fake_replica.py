@@ -11,6 +11,9 @@ chunk per token, paced by `ttft_s` and `itl_s`. Failures are injected through `F
 - "die_midstream": send `die_after` chunks, then drop the connection.
 - "stall_midstream": send `die_after` chunks, then go silent with the connection open.
 
+`max_running` (like vLLM's max_num_seqs) makes requests beyond it wait; `/metrics` reports the requests running
+and waiting as they are.
+
 Run standalone (for Locust and benchmarks): `python -m tests.fake_replica --port 9001 --itl 0.01`
 (`--fail MODE` injects a failure). `GET /fake/stats` returns what it saw (arrival times on the
 machine's monotonic clock, max concurrency), so a test in another process can check the offered load.
@@ -43,6 +46,7 @@ class FakeBehavior:
     healthy: bool = True
     root: str | None = None  # the model card's `root` (vLLM: the path or id the model was loaded from)
     metrics_page: str | None = None  # serve this text as /metrics instead of the live counts (a real vLLM page)
+    max_running: int | None = None  # like vLLM's max_num_seqs: requests beyond it wait (and /metrics says so)
 
 
 @dataclass
@@ -52,6 +56,7 @@ class FakeStats:
     bodies: list[dict] = field(default_factory=list)
     arrivals: list[float] = field(default_factory=list)
     running: int = 0
+    waiting: int = 0
     max_running: int = 0
     aborted: int = 0
     finished: int = 0
@@ -93,6 +98,13 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
         return _error(503, "overloaded")
     if behavior.fail == "error":
         return _error(500, "internal error")
+    if behavior.max_running is not None:
+        stats.waiting += 1
+        try:
+            while stats.running >= behavior.max_running:
+                await asyncio.sleep(0.005)
+        finally:
+            stats.waiting -= 1
     stats.running += 1
     stats.max_running = max(stats.max_running, stats.running)
     try:
@@ -208,7 +220,7 @@ async def metrics(request: web.Request) -> web.Response:
     label = f'{{model_name="{name}"}}'
     text = (
         f"vllm:num_requests_running{label} {stats.running}.0\n"
-        f"vllm:num_requests_waiting{label} 0.0\n"
+        f"vllm:num_requests_waiting{label} {stats.waiting}.0\n"
         f"vllm:kv_cache_usage_perc{label} {min(stats.running / 256, 1.0)}\n"
         f"vllm:num_preemptions_total{label} 0.0\n"
     )

@@ -5,6 +5,7 @@ Two routers on rows 1 and 2 of one table stand for two worker processes: they sh
 
 from __future__ import annotations
 
+import asyncio
 import re
 from pathlib import Path
 
@@ -20,7 +21,7 @@ from gateway.replicas import Lease
 from gateway.replicaset import Follower, ReplicaSet
 from gateway.router import Router
 from gateway.table import LoadTable
-from tests.conftest import FakeFactory, GatewayFactory, mark_healthy
+from tests.conftest import FakeFactory, GatewayFactory, mark_healthy, until
 
 INFO = RequestInfo("m", 10, 90, True)
 CARDS = {"m": {"id": "m", "object": "model"}}
@@ -205,3 +206,23 @@ def test_a_dead_workers_ejections_and_reservations_go_with_its_row() -> None:
     follower.sync()  # the same follower: the clearing itself must tell it to look again
     two.replicas["http://a:1"].refresh()
     assert two.replicas["http://b:1"].healthy and two.replicas["http://a:1"].outstanding == 0
+
+
+async def test_feedback_counts_requests_waiting_at_the_replica(
+        fake_replica: FakeFactory, gateway_for: GatewayFactory) -> None:
+    """Another client's requests queued inside the replica (vllm:num_requests_waiting) count as its load too."""
+    a = await fake_replica(itl_s=0.01, max_running=2)
+    gw = await gateway_for([a.url], feedback={"enabled": True, "interval_s": 0.05})
+    body = {"model": "fake-model", "prompt": "hi", "max_tokens": 300, "stream": True}
+    async with aiohttp.ClientSession() as session:
+        tasks = [asyncio.create_task(session.post(a.url + "/v1/completions", json=body)) for _ in range(5)]
+        await until(lambda: a.stats.running == 2 and a.stats.waiting == 3)
+        assert gw.gateway.control is not None and gw.gateway.control.feedback is not None
+        scrapes = gw.gateway.control.feedback.scrapes
+        await until(lambda: gw.gateway.control.feedback.scrapes >= scrapes + 2)  # type: ignore[union-attr]
+        replica = gw.gateway.router.replicas[a.url]
+        replica.refresh()
+        assert replica.inflight == 5  # 2 running + 3 waiting, none of them this gateway's
+        a.behavior.max_running, a.behavior.itl_s = None, 0.0
+        for response in await asyncio.gather(*tasks):
+            await response.read()
