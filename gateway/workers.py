@@ -100,6 +100,8 @@ class Supervisor:
         await self.control.start()
         try:
             await asyncio.gather(*(self._start(p) for p in range(self.config.workers)))
+            if not all(w.ready for w in self.workers.values()):
+                raise SystemExit("gateway: a worker failed to start (its log is above); stopping")
             logger.info("gateway on %s:%d: %d workers (pids %s), policy %s", self.config.host, self.port,
                         len(self.workers), ", ".join(str(w.process.pid) for w in self.workers.values()),
                         self.config.policy)
