@@ -37,7 +37,8 @@ def _parser() -> argparse.ArgumentParser:
                                     "running until Ctrl-C or SIGTERM. Arguments after `--` go to every replica.")
     up.add_argument("--plan", metavar="FILE", help="a plan written by `planner plan`")
     up.add_argument("--replicas", type=int, help=f"number of replicas without a plan (default {DEFAULT_REPLICAS})")
-    up.add_argument("--model", help=f"HF model id or local path (default {DEFAULT_MODEL}; `tiny`: the offline model)")
+    up.add_argument("--model", help=f"HF model id, local path, synthetic:NAME (a real architecture, random weights; "
+                    f"e.g. synthetic:opt-1.3b) or `tiny` (default {DEFAULT_MODEL})")
     up.add_argument("--port", type=int, help=f"the gateway's port (default {DEFAULT_PORT}, or the plan's)")
     up.add_argument("--host", default="0.0.0.0", help="the gateway's listen address (default 0.0.0.0)")
     up.add_argument("--replica-port-base", type=int, help="first replica's port without a plan (default port+1)")
@@ -110,7 +111,7 @@ def build_up_config(args: argparse.Namespace) -> UpConfig:
     hardware = detect(args.device)
     plan = build_plan(args, hardware)
     resolved = resolve_models(plan, args.hub_timeout)
-    plan = fit_to_hardware(with_models(plan, resolved), hardware)
+    plan = fit_to_hardware(with_models(plan, resolved, gpu=bool(hardware.gpus)), hardware)
     label = ", ".join(sorted({r.served_name or r.source for r in resolved.values()}))
     if args.mps and not hardware.gpus:
         print("deploy: --mps ignored: no NVIDIA GPU", file=sys.stderr)

@@ -11,7 +11,6 @@ from typing import Any
 from deploy.hardware import Hardware, cpu_list, split_cpus
 from deploy.models import ResolvedModel
 from deploy.plan import Admission, GatewaySpec, Plan, ReplicaSpec
-from deploy.tinymodel import TINY_MODEL_NAME
 
 logger = logging.getLogger(__name__)
 
@@ -24,9 +23,6 @@ GPU_MAX_NUM_SEQS = 128
 GPU_MEMORY_TOTAL = 0.9  # the share of the GPU all replicas together may take
 QUEUE_SIZE = 1024
 QUEUE_WAIT_S = 60.0
-# The tiny model compiles longer than it runs: eager mode starts a CPU replica in ~25 s instead of ~70 s. float32:
-# in eager mode, vLLM's bfloat16 CPU path died with SIGILL on a one-token prompt on this machine (AMX in a VM).
-TINY_MODEL_ARGS = (("--enforce-eager",), ("--dtype", "float32"))
 
 
 @dataclass(frozen=True)
@@ -79,24 +75,29 @@ def default_plan(options: PlanOptions, hardware: Hardware) -> Plan:
                 reasoning={"source": "deploy up flags (no plan file)"})
 
 
-def with_models(plan: Plan, resolved: Mapping[str, ResolvedModel]) -> Plan:
-    """The plan with each replica's model replaced by what vLLM loads (a local path for the tiny model)."""
+def with_models(plan: Plan, resolved: Mapping[str, ResolvedModel], gpu: bool = False) -> Plan:
+    """The plan with each replica's model replaced by what vLLM loads (a local path for the tiny and synthetic
+    models) and the flags that model needs on this device."""
     replicas = []
     for spec in plan.replicas:
         model = resolved[spec.model]
-        extra = spec.extra_args
-        if model.served_name == TINY_MODEL_NAME:
-            extra = (*extra, *_missing_flags(TINY_MODEL_ARGS, extra))
-            if spec.max_model_len is None:
-                spec = replace(spec, max_model_len=2048)
+        extra = (*spec.extra_args, *missing_flags(model.vllm_flags(gpu), spec.extra_args))
+        if spec.max_model_len is None and model.default_max_model_len is not None \
+                and "--max-model-len" not in flag_names(extra):
+            spec = replace(spec, max_model_len=model.default_max_model_len)
         replicas.append(replace(spec, model=model.source, extra_args=extra,
                                 served_model_name=spec.served_model_name or model.served_name))
     return replace(plan, replicas=tuple(replicas))
 
 
-def _missing_flags(flags: tuple[tuple[str, ...], ...], given: tuple[str, ...]) -> tuple[str, ...]:
+def flag_names(args: tuple[str, ...]) -> set[str]:
+    """The `--flag` names in a vLLM argument list (given as `--flag value` or `--flag=value`)."""
+    return {a.split("=", 1)[0] for a in args if a.startswith("--")}
+
+
+def missing_flags(flags: tuple[tuple[str, ...], ...], given: tuple[str, ...]) -> tuple[str, ...]:
     """The flag groups whose flag the user did not give already (as `--flag` or `--flag=value`)."""
-    names = {a.split("=", 1)[0] for a in given if a.startswith("--")}
+    names = flag_names(given)
     return tuple(part for group in flags if group[0] not in names for part in group)
 
 

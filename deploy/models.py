@@ -1,4 +1,5 @@
-"""Which model a replica loads: a local path, a Hugging Face id, or the tiny offline model when the hub is out of reach."""
+"""Which model a replica loads: a local path, a Hugging Face id, `synthetic:NAME` (a real architecture with random
+weights, made locally), or the tiny offline model when the hub is out of reach."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from deploy.tinymodel import TINY_MODEL_NAME, ensure_tiny_model
+from synthetic import catalog
 
 logger = logging.getLogger(__name__)
 
@@ -28,6 +30,13 @@ class ResolvedModel:
     served_name: str | None  # vLLM's --served-model-name (None: vLLM's default, the source)
     offline: bool = False  # the hub is out of reach: replicas run with HF_HUB_OFFLINE=1
     fallback_reason: str | None = None  # set when the tiny model stands in for `requested`
+    flags: tuple[tuple[str, ...], ...] = ()  # vLLM flag groups this model needs (unless the user gave the flag)
+    cpu_flags: tuple[tuple[str, ...], ...] = ()  # more of them on the CPU build
+    default_max_model_len: int | None = None  # --max-model-len when the plan names none
+
+    def vllm_flags(self, gpu: bool) -> tuple[tuple[str, ...], ...]:
+        """The flag groups to add on this device."""
+        return self.flags if gpu else (*self.flags, *self.cpu_flags)
 
 
 @dataclass(frozen=True)
@@ -68,9 +77,34 @@ def ask_hub(model: str, timeout_s: float = 5.0) -> HubAnswer:
     return HubAnswer(reachable=True, exists=True)
 
 
+# The tiny model compiles longer than it runs: eager mode starts a CPU replica in ~25 s instead of ~70 s. float32:
+# in eager mode, vLLM's bfloat16 CPU path died with SIGILL on a one-token prompt on this machine (AMX in a VM).
+TINY_MODEL_ARGS = (("--enforce-eager",), ("--dtype", "float32"))
+SYNTHETIC_ARGS = (("--load-format", "dummy"),)  # random weights: nothing to download or read
+# On the CPU build (tests, --quick) the same float32 and eager mode as the tiny model; on a GPU the model's own
+# dtype and CUDA graphs, or the speed measured would not be the real model's.
+SYNTHETIC_CPU_ARGS = (("--dtype", "float32"), ("--enforce-eager",))
+SYNTHETIC_MAX_MODEL_LEN = 4096  # the hub configs allow up to 131072; vLLM would size for that by default
+
+
 def tiny(requested: str, reason: str | None, tiny_dir: Path | None) -> ResolvedModel:
     path = ensure_tiny_model(tiny_dir)
-    return ResolvedModel(requested, str(path), TINY_MODEL_NAME, offline=True, fallback_reason=reason)
+    return ResolvedModel(requested, str(path), TINY_MODEL_NAME, offline=True, fallback_reason=reason,
+                         flags=TINY_MODEL_ARGS, default_max_model_len=2048)
+
+
+def synthetic(requested: str, cache: Path | None = None) -> ResolvedModel:
+    """`synthetic:NAME`: the architecture's real config and a local tokenizer, served with random weights."""
+    from synthetic.build import ensure_synthetic_model
+
+    try:
+        item = catalog.entry(requested)
+    except catalog.UnknownModel as exc:
+        raise ModelError(str(exc)) from None
+    path = ensure_synthetic_model(item.name, cache)
+    limit = int(item.config().get("max_position_embeddings") or SYNTHETIC_MAX_MODEL_LEN)
+    return ResolvedModel(requested, str(path), item.served_name, offline=True, flags=SYNTHETIC_ARGS,
+                         cpu_flags=SYNTHETIC_CPU_ARGS, default_max_model_len=min(limit, SYNTHETIC_MAX_MODEL_LEN))
 
 
 def resolve(model: str, *, tiny_dir: Path | None = None, timeout_s: float = 5.0,
@@ -79,6 +113,8 @@ def resolve(model: str, *, tiny_dir: Path | None = None, timeout_s: float = 5.0,
     """Resolve `model` to what vLLM loads; the tiny model stands in when the hub cannot be reached."""
     if model in TINY_ALIASES:
         return tiny(model, None, tiny_dir)
+    if catalog.is_synthetic(model):
+        return synthetic(model)
     if looks_like_path(model):
         path = Path(model).expanduser()
         if not (path / "config.json").is_file():

@@ -45,7 +45,8 @@ def _plan_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
     p.add_argument("--profile", required=True, type=Path, help="directory from `planner profile`, or a CSV")
     p.add_argument("--out", type=Path, default=Path("plan.yaml"), help="the plan to write (default plan.yaml)")
     _add_choice_flags(p)
-    p.add_argument("--model", help="model to serve (default: the profile's)")
+    p.add_argument("--model", help="model to serve (default: the profile's); synthetic:NAME for a shipped "
+                   "architecture with random weights (its size comes from its config.json)")
     p.add_argument("--device", choices=("auto", "gpu", "cpu"), default="auto",
                    help="gpu: split GPU memory; cpu: size VLLM_CPU_KVCACHE_SPACE (auto: from the profile/flags)")
     p.add_argument("--gpu-memory-gib", type=float, help="GPU memory (default: measured by the profile)")
@@ -156,7 +157,8 @@ def _profile_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[ty
                        description="Profile one vLLM instance: launched per point with --max-num-seqs B "
                                    "(--model), or already running (--url).")
     target = p.add_mutually_exclusive_group(required=True)
-    target.add_argument("--model", help="launch vLLM with this model for each point")
+    target.add_argument("--model", help="launch vLLM with this model for each point (a hub id, a directory, or "
+                        "synthetic:NAME: a real architecture with random weights, e.g. synthetic:opt-1.3b)")
     target.add_argument("--url", help="profile this running server (B is then only the concurrency)")
     p.add_argument("--out", type=Path, required=True, help="directory for the point files (reruns skip done ones)")
     p.add_argument("--batch-sizes", type=_batch_sizes, default=None,

@@ -126,9 +126,12 @@ def _memory_facts(profile: Profile, point: ProfilePoint, config: PlanConfig, dev
                        (pool.bytes_per_token if pool else None, "measured: the KV pool's bytes / tokens"),
                        (ctx.kv_bytes_per_token, "the profile (model config)"),
                        (modelinfo.kv_bytes_per_token(model), "the model's config.json"))
+    shape = modelinfo.spec(model)
     weights = _first((config.weights_gib * GIB if config.weights_gib is not None else None, "--weights-gib"),
-                     (ctx.weights_bytes, "the profile (weight files on disk)"),
-                     (modelinfo.weights_bytes(model), "the model's weight files on disk"))
+                     (ctx.weights_bytes, "the profile (the model's weight files, or its parameters x 2 bytes)"),
+                     (modelinfo.weight_files_bytes(model), "the model's weight files on disk"),
+                     (shape.weight_bytes if shape else None,
+                      f"the model's config.json: {shape.params:,} parameters x 2 bytes" if shape else ""))
     if weights.value is None:
         if device == "gpu":
             raise MemoryPlanError(f"the weights' size of {model!r} is unknown: give --weights-gib")
@@ -140,7 +143,7 @@ def _memory_facts(profile: Profile, point: ProfilePoint, config: PlanConfig, dev
     measured = None
     if point.peak_kv_usage is not None and pool is not None:
         measured = measured_kv_bytes(point.peak_kv_usage, pool, per_token.value)
-    overhead = _overhead(point, config, device, weights.value or 0, per_token.value)
+    overhead = _overhead(point, config, device, weights.value or 0, per_token.value, model)
     facts = MemoryFacts(weights_bytes=int(weights.value or 0), overhead_bytes=int(overhead.value or 0),
                         margin=config.margin, kv_bytes_per_token=per_token.value,
                         tokens_per_request=int(tokens.value) if tokens.value is not None else None,
@@ -151,7 +154,7 @@ def _memory_facts(profile: Profile, point: ProfilePoint, config: PlanConfig, dev
 
 
 def _overhead(point: ProfilePoint, config: PlanConfig, device: str, weights: float,
-              per_token: float | None) -> _Fact:
+              per_token: float | None, model: str) -> _Fact:
     if config.overhead_gib is not None:
         return _Fact(config.overhead_gib * GIB, "--overhead-gib")
     if device == "cpu":
@@ -162,6 +165,9 @@ def _overhead(point: ProfilePoint, config: PlanConfig, device: str, weights: flo
         measured = gpu.memory_used_max_bytes - gpu.memory_used_before_bytes - weights - pool_bytes
         if measured > 0:
             return _Fact(measured, "measured: GPU memory the replica used - weights - KV pool")
+    computed = modelinfo.non_kv_bytes(model, point.batch_size)
+    if computed is not None:
+        return _Fact(*computed)
     return _Fact(DEFAULT_GPU_OVERHEAD_GIB * GIB, f"default {DEFAULT_GPU_OVERHEAD_GIB:g} GiB (CUDA context, "
                                                  "activations, graphs); measure it with `planner profile --model`")
 

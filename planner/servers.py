@@ -58,11 +58,13 @@ class LaunchedServer:
     cpu_kvcache_space_gib: float | None = None
     env: Mapping[str, str] | None = None
     startup_timeout_s: float = 900.0
+    served_model_name: str | None = None
     launches: bool = field(default=True, init=False)
 
     def spec(self, batch_size: int) -> ReplicaSpec:
         return ReplicaSpec(name=f"profile-b{batch_size}", model=self.model, port=self.port, max_num_seqs=batch_size,
-                           cpu_kvcache_space_gib=self.cpu_kvcache_space_gib, extra_args=self.vllm_args)
+                           cpu_kvcache_space_gib=self.cpu_kvcache_space_gib, extra_args=self.vllm_args,
+                           served_model_name=self.served_model_name)
 
     @contextlib.contextmanager
     def serve(self, batch_size: int) -> Iterator[str]:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, replace
 import aiohttp
 
 from planner import modelinfo
+from synthetic import catalog
 from planner.client import served_model
 from planner.errors import PlannerError, RunError
 from planner.gpu import GpuSampler, open_sampler
@@ -74,13 +75,38 @@ class ProfileCommand:
             raise PlannerError(f"--url {self.url!r} is not an http(s) URL")
 
 
-def _servers(cmd: ProfileCommand) -> ServerProvider:
-    if cmd.url is not None:
-        return RunningServer(cmd.url)
-    assert cmd.model is not None
-    return LaunchedServer(model=cmd.model, port=cmd.port or free_port(), log_dir=cmd.sweep.out / "logs",
-                          vllm_args=cmd.vllm_args, cpu_kvcache_space_gib=cmd.cpu_kvcache_space_gib,
-                          startup_timeout_s=cmd.startup_timeout_s)
+@dataclass(frozen=True)
+class LaunchModel:
+    """What vLLM is launched with for `--model`: the model itself, or a synthetic model's directory and flags."""
+
+    source: str
+    served_name: str | None = None
+    vllm_args: tuple[str, ...] = ()
+
+
+def launch_model(model: str, vllm_args: tuple[str, ...], gpu: bool) -> LaunchModel:
+    """`synthetic:NAME` becomes its local directory, its served name and the flags it needs on this device."""
+    if not catalog.is_synthetic(model):
+        return LaunchModel(model, None, vllm_args)
+    from deploy.launch import flag_names, missing_flags
+    from deploy.models import ModelError, synthetic
+
+    try:
+        resolved = synthetic(model)
+    except ModelError as exc:
+        raise PlannerError(str(exc)) from None
+    args = (*vllm_args, *missing_flags(resolved.vllm_flags(gpu), vllm_args))
+    if resolved.default_max_model_len and "--max-model-len" not in flag_names(args):
+        args = (*args, "--max-model-len", str(resolved.default_max_model_len))
+    return LaunchModel(resolved.source, resolved.served_name, args)
+
+
+def _servers(cmd: ProfileCommand, launch: LaunchModel | None) -> ServerProvider:
+    if cmd.url is not None or launch is None:
+        return RunningServer(cmd.url or "")
+    return LaunchedServer(model=launch.source, port=cmd.port or free_port(), log_dir=cmd.sweep.out / "logs",
+                          vllm_args=launch.vllm_args, cpu_kvcache_space_gib=cmd.cpu_kvcache_space_gib,
+                          startup_timeout_s=cmd.startup_timeout_s, served_model_name=launch.served_name)
 
 
 def _gpu(cmd: ProfileCommand) -> GpuSampler | None:
@@ -119,10 +145,11 @@ def _kv_space(cmd: ProfileCommand) -> float | None:
 def build_profiler(cmd: ProfileCommand, out: Callable[[str], None] = print) -> Profiler:
     """The profiler for a command: its replica source, workload, GPU sampler and shared context."""
     model = _model_name(cmd)
-    local = cmd.model or model  # a local path lets us read weights, config and tokenizer
-    workload = build_workload(cmd.workload, local)
     gpu = _gpu(cmd)
     device = cmd.device if cmd.device != "auto" else ("gpu" if gpu is not None else "cpu")
+    launch = launch_model(cmd.model, cmd.vllm_args, device == "gpu") if cmd.model else None
+    local = cmd.model or model  # a local path (or a shipped config) lets us read weights, config and tokenizer
+    workload = build_workload(cmd.workload, launch.source if launch else local)
     context = ProfileContext(
         model=model, device=device, workload=workload.describe(), vllm_args=cmd.vllm_args,
         weights_bytes=modelinfo.weights_bytes(local) if local else None,
@@ -130,5 +157,5 @@ def build_profiler(cmd: ProfileCommand, out: Callable[[str], None] = print) -> P
         cpu_kvcache_space_gib=_kv_space(cmd) if device == "cpu" else None,
         gpu_name=gpu.name if gpu else None, gpu_memory_total_bytes=gpu.memory_total_bytes if gpu else None,
         source=str(cmd.sweep.out))
-    sweep = replace(cmd.sweep, model_name=cmd.sweep.model_name or model)
-    return Profiler(sweep, _servers(cmd), workload, context, gpu, out)
+    sweep = replace(cmd.sweep, model_name=cmd.sweep.model_name or (launch and launch.served_name) or model)
+    return Profiler(sweep, _servers(cmd, launch), workload, context, gpu, out)

@@ -31,8 +31,9 @@ class UsageError(ValueError):
 
 
 def _add_node_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="a HF config.json, a directory holding one, or opt-125m, "
-                   "opt-1.3b, opt-2.7b")
+    p.add_argument("--model", required=True, help="a HF config.json, a directory holding one, or a shipped "
+                   "architecture as NAME or synthetic:NAME (opt-125m, opt-1.3b, opt-2.7b, qwen3-0.6b, qwen3-1.7b, "
+                   "llama-3.2-1b, llama-3.2-3b, gemma-3-1b, smollm2-135m)")
     gpu = p.add_mutually_exclusive_group()
     gpu.add_argument("--gpu", default="H100-80GB", help="A100-40GB, H100-64GB, H100-80GB, H200, L4 (default H100-80GB)")
     gpu.add_argument("--gpu-spec", help="a GPU not in the table: memory_gib=48,bandwidth_gbps=864,tflops=181")

@@ -11,7 +11,7 @@ from deploy.cli import _parser, build_plan
 from deploy.hardware import Gpu, Hardware, cpu_list, split_cpus
 from deploy.launch import PlanOptions, default_plan, fit_to_hardware, gateway_config, launches, local_tokenizers, \
     with_models
-from deploy.models import ResolvedModel
+from deploy.models import TINY_MODEL_ARGS, ModelError, ResolvedModel, resolve
 from deploy.plan import Admission, GatewaySpec, Plan, PlanError, ReplicaSpec, dump, load
 from deploy.process import vllm_argv
 from gateway.config import from_mapping
@@ -72,7 +72,8 @@ def test_fit_to_hardware_gives_a_gpu_share_when_the_plan_names_none() -> None:
 def test_tiny_model_replicas_get_its_path_name_and_cpu_safe_flags() -> None:
     """The tiny model stands in under its own served name, eager, in float32, with a context length."""
     plan = default_plan(PlanOptions(model="facebook/opt-125m"), CPU)
-    tiny = ResolvedModel("facebook/opt-125m", "/cache/tiny-opt", "tiny-opt", offline=True, fallback_reason="offline")
+    tiny = ResolvedModel("facebook/opt-125m", "/cache/tiny-opt", "tiny-opt", offline=True, fallback_reason="offline",
+                         flags=TINY_MODEL_ARGS, default_max_model_len=2048)
     replaced = with_models(plan, {"facebook/opt-125m": tiny})
     spec = replaced.replicas[0]
     assert spec.model == "/cache/tiny-opt" and spec.served_model_name == "tiny-opt" and spec.max_model_len == 2048
@@ -80,6 +81,29 @@ def test_tiny_model_replicas_get_its_path_name_and_cpu_safe_flags() -> None:
     assert local_tokenizers(replaced) == {"tiny-opt": "/cache/tiny-opt"}
     user = with_models(default_plan(PlanOptions(model="m", extra_args=("--dtype=bfloat16",)), CPU), {"m": tiny})
     assert user.replicas[0].extra_args == ("--dtype=bfloat16", "--enforce-eager")
+
+
+def test_synthetic_model_gets_dummy_weights_and_device_flags(tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """synthetic:NAME resolves to a local directory, served as synthetic-NAME with --load-format dummy; on the CPU
+    build also float32 and eager mode, on a GPU not (its speed must be the real model's); a context length."""
+    monkeypatch.setenv("SMALLSERVE_CACHE", str(tmp_path))
+    model = resolve("synthetic:qwen3-0.6b", hub=lambda m, t: pytest.fail("no hub for synthetic models"))
+    assert model.source.startswith(str(tmp_path)) and model.served_name == "synthetic-qwen3-0.6b"
+    for hardware, gpu in ((CPU, False), (GPU, True)):
+        plan = with_models(default_plan(PlanOptions(model="synthetic:qwen3-0.6b"), hardware),
+                           {"synthetic:qwen3-0.6b": model}, gpu=gpu)
+        spec = plan.replicas[0]
+        assert spec.model == model.source and spec.served_model_name == "synthetic-qwen3-0.6b"
+        assert spec.max_model_len == 4096 and "--load-format" in spec.extra_args
+        assert ("--enforce-eager" in spec.extra_args) is not gpu and ("--dtype" in spec.extra_args) is not gpu
+    given = default_plan(PlanOptions(model="synthetic:qwen3-0.6b", max_model_len=512,
+                                     extra_args=("--load-format=dummy",)), CPU)
+    spec = with_models(given, {"synthetic:qwen3-0.6b": model}).replicas[0]
+    assert spec.max_model_len == 512 and spec.extra_args.count("--load-format=dummy") == 1
+    assert "--load-format" not in spec.extra_args
+    with pytest.raises(ModelError, match="no synthetic model 'synthetic:gpt-5'.*opt-1.3b"):
+        resolve("synthetic:gpt-5")
 
 
 def test_hub_model_keeps_its_name() -> None:
