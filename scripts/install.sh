@@ -2,10 +2,60 @@
 # Create the project's virtualenv (.venv, or $SMALLSERVE_VENV) and install the project with the vLLM build that
 # fits this machine: the CUDA build where an NVIDIA GPU answers, the CPU build otherwise. Idempotent: a second run
 # with the same pyproject.toml does nothing.
+#
+#   scripts/install.sh                                          # from the package indexes (network)
+#   scripts/install.sh --wheelhouse DIR [--system-site-packages] # offline, from scripts/wheelhouse.sh's output
+#
+# --wheelhouse DIR: no network at all (pip --no-index). DIR is a wheelhouse or a folder of its part-NN folders
+# (as split for transfer); parts are reassembled and every wheel's SHA-256 checked first. With
+# --system-site-packages the venv sees the machine's own packages (its CUDA torch, transformers, ...), which the
+# wheelhouse was built to leave out.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 venv=${SMALLSERVE_VENV:-$root/.venv}
 python=${PYTHON:-python3}
+wheelhouse=""
+system_site=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --wheelhouse) wheelhouse=${2:?--wheelhouse needs a directory}; shift 2 ;;
+    --wheelhouse=*) wheelhouse=${1#*=}; shift ;;
+    --system-site-packages) system_site=(--system-site-packages); shift ;;
+    -h|--help) sed -n '2,12p' "$0"; exit 0 ;;
+    *) echo "install: unknown argument $1 (see --help)" >&2; exit 2 ;;
+  esac
+done
+
+if [ -n "$wheelhouse" ]; then
+  [ -d "$wheelhouse" ] || { echo "install: --wheelhouse $wheelhouse is not a directory" >&2; exit 2; }
+  wheelhouse=$(cd "$wheelhouse" && pwd)
+  wheels=$wheelhouse
+  if compgen -G "$wheelhouse/part-*" >/dev/null; then wheels=$wheelhouse/assembled; fi
+  # Reassemble the parts (stdlib only: runs before any venv exists) and verify every file against the manifest.
+  "$python" "$root/deploy/wheelhouse.py" assemble "$wheelhouse" --out "$wheels"
+  stamp="$venv/.installed-wheelhouse-$(cat "$wheels/manifest.json" "$root/pyproject.toml" "$0" | sha256sum | cut -c1-16)"
+  if [ -f "$stamp" ]; then
+    echo "install: $venv is up to date (from the wheelhouse $wheelhouse)" >&2
+    exit 0
+  fi
+  [ -x "$venv/bin/python" ] || "$python" -m venv ${system_site[@]+"${system_site[@]}"} "$venv"
+  offline=("$venv/bin/python" -m pip install --disable-pip-version-check -q --no-index --find-links "$wheels")
+  echo "install: installing from $wheels with no network${system_site:+, reusing the system packages}" >&2
+  "${offline[@]}" -r "$wheels/requirements.txt"
+  "${offline[@]}" --no-deps -r "$wheels/top.txt"  # vLLM itself: its requirements were chosen at build time
+  if grep -q '"project": true' "$wheels/manifest.json"; then
+    # The project's own code, editable; without setuptools to build that, a .pth file does the same for imports.
+    if ! "${offline[@]}" --no-deps --no-build-isolation -e "$root" 2>/dev/null; then
+      site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+      echo "$root" > "$site/smallserve-source.pth"
+      echo "install: no setuptools to install the project editable; $root is on the venv's path instead" >&2
+    fi
+  fi
+  rm -f "$venv"/.installed-*
+  touch "$stamp"
+  echo "install: done (offline, from $wheelhouse, into $venv)" >&2
+  exit 0
+fi
 
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then flavour=vllm; else flavour=cpu; fi
 stamp="$venv/.installed-$flavour-$(cat "$root/pyproject.toml" "$0" | sha256sum | cut -c1-16)"
@@ -14,7 +64,7 @@ if [ -f "$stamp" ]; then
   exit 0
 fi
 
-[ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
+[ -x "$venv/bin/python" ] || "$python" -m venv ${system_site[@]+"${system_site[@]}"} "$venv"
 pip=("$venv/bin/python" -m pip install --disable-pip-version-check -q)
 "${pip[@]}" --upgrade pip
 if [ "$flavour" = cpu ]; then
