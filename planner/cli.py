@@ -242,6 +242,7 @@ def _run_validate(args: argparse.Namespace) -> int:
     out = args.out or args.plan
     write_plan(validated, out)
     best = validated.validation["best_replicas"]
+    print(validated.validation["decision"])
     print(f"best: {best} replica(s) of {len(plan.replicas)} planned; wrote {out}")
     if args.plots is not None:
         from planner.plots import plot_replicas

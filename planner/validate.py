@@ -98,6 +98,29 @@ def best_count(results: list[CountResult], min_gain: float) -> CountResult:
     return min((r for r in results if r.summary.total_tok_s >= (1 - min_gain) * top), key=lambda r: r.replicas)
 
 
+def explain_best(results: list[CountResult], best: CountResult, min_gain: float) -> str:
+    """Why `best` was kept, in a sentence (pure); says so plainly when replication does not pay."""
+    ordered = sorted(results, key=lambda r: r.replicas)
+    fewest, top = ordered[0], max(ordered, key=lambda r: r.summary.total_tok_s)
+    base = fewest.summary.total_tok_s
+
+    def gain(r: CountResult) -> str:
+        return f"{r.summary.total_tok_s / base - 1:+.1%}" if base else "n/a"
+
+    if len(ordered) == 1:
+        return f"keep {best.replicas} replica(s): the only count measured ({base:.0f} tokens/s)"
+    if best is fewest:
+        others = ", ".join(f"{r.replicas} replicas {gain(r)}" for r in ordered[1:])
+        return (f"keep {best.replicas} replica(s): replication does not pay here. Over {fewest.replicas} "
+                f"({base:.0f} tokens/s), {others}: less than the {min_gain:.0%} it takes to be worth another "
+                "replica's memory")
+    if best is top:
+        return (f"keep {best.replicas} replicas: the highest throughput, {best.summary.total_tok_s:.0f} tokens/s, "
+                f"{gain(best)} over {fewest.replicas}")
+    return (f"keep {best.replicas} replicas ({gain(best)} over {fewest.replicas}): {top.replicas} gave "
+            f"{top.summary.total_tok_s:.0f} tokens/s, within {min_gain:.0%} of it, not worth the extra memory")
+
+
 def sub_plan(plan: Plan, count: int) -> Plan:
     """The plan cut to its first `count` replicas (each keeps its memory share and batch cap)."""
     if not 1 <= count <= len(plan.replicas):
@@ -131,6 +154,7 @@ class Validator:
             "rule": f"keep the smallest replica count within {self.config.min_gain:.0%} of the highest total "
                     "tokens/s, measured through the gateway with k x B* requests in flight",
             "best_replicas": best.replicas, "planned_replicas": len(self.plan.replicas),
+            "decision": explain_best(results, best, self.config.min_gain),
             "workload": asdict(self.workload.describe()), "counts": table}
         kept = replace(self.plan, replicas=self.plan.replicas[:best.replicas], validation=validation)
         return kept, results

@@ -18,7 +18,7 @@ from planner.errors import PlannerError
 from planner.points import Latency
 from planner.setup import free_port
 from planner.stats import RunSummary
-from planner.validate import CountResult, ValidateConfig, Validator, best_count, sub_plan
+from planner.validate import CountResult, ValidateConfig, Validator, best_count, explain_best, sub_plan
 from planner.workload import ApproximatePrompts, FixedLengths
 
 REPLICATION = Path(__file__).resolve().parent.parent / "planner" / "data" / "bca-opt-1.3b-h100-replication.csv"
@@ -40,6 +40,20 @@ def test_best_count_on_the_papers_replication_keeps_two() -> None:
     assert [r.replicas for r in results] == [1, 2, 4]
     assert best_count(results, 0.05).replicas == 2
     assert best_count(results, 0.0).replicas == 4
+
+
+def test_where_replication_does_not_pay_one_replica_is_kept_and_the_plan_says_why() -> None:
+    """Today's vLLM may leave no headroom: 2 and 3 replicas adding +2% and -4% keep one, with the reason."""
+    results = [CountResult(k, 64 * k, summary(tok)) for k, tok in ((1, 10000.0), (2, 10200.0), (3, 9600.0))]
+    best = best_count(results, 0.05)
+    assert best.replicas == 1
+    assert explain_best(results, best, 0.05) == (
+        "keep 1 replica(s): replication does not pay here. Over 1 (10000 tokens/s), 2 replicas +2.0%, "
+        "3 replicas -4.0%: less than the 5% it takes to be worth another replica's memory")
+    paper = [CountResult(k, 256 * k, summary(tok)) for k, tok in ((1, 10871.0), (2, 14669.0), (4, 14720.0))]
+    assert explain_best(paper, best_count(paper, 0.05), 0.05).startswith(
+        "keep 2 replicas (+34.9% over 1): 4 gave 14720 tokens/s, within 5% of it")
+    assert explain_best(paper, best_count(paper, 0.0), 0.0).startswith("keep 4 replicas: the highest throughput")
 
 
 def plan(n: int, model: str = "fake-model") -> Plan:
@@ -120,4 +134,6 @@ def test_validate_cli_writes_the_comparison_into_the_plan(tmp_path: Path, monkey
     assert validated.validation["best_replicas"] == 1 and len(validated.replicas) == 1  # min-gain 0.99: fewest
     assert validated.validation["workload"]["output_tokens"] == 4
     assert (tmp_path / "plots" / "replicas.png").stat().st_size > 10_000
-    assert "best: 1 replica(s) of 2 planned" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "best: 1 replica(s) of 2 planned" in printed and validated.validation["decision"] in printed
+    assert validated.validation["decision"].startswith("keep 1 replica(s)")
