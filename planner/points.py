@@ -51,6 +51,8 @@ class GpuSummary:
     memory_used_before_bytes: int | None = None  # before the planner launched vLLM (None with --url)
     power_mean_w: float | None = None
     sm_clock_mean_mhz: float | None = None
+    sm_active_mean_pct: float | None = None  # NVML GPM (Hopper and later): share of SMs busy
+    sm_occupancy_mean_pct: float | None = None  # NVML GPM: active warps / the SMs' maximum
 
 
 @dataclass(frozen=True)

@@ -59,3 +59,37 @@ class FakeNvml:
 
     def nvmlDeviceGetClockInfo(self, handle: Any, clock_type: int) -> int:
         raise pynvml.NVMLError_NotSupported()
+
+
+@dataclass(frozen=True)
+class _GpmSupport:
+    isSupportedDevice: int
+
+
+class FakeNvmlWithGpm(FakeNvml):
+    """A fake Hopper: GPM metrics say `sm_active` % of SMs busy at `occupancy` % warp occupancy; samples counted."""
+
+    def __init__(self, sm_active: float = 62.5, occupancy: float = 31.0, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.sm_active, self.occupancy = sm_active, occupancy
+        self.allocated = self.freed = 0
+
+    def nvmlGpmQueryDeviceSupport(self, handle: Any) -> Any:
+        return _GpmSupport(isSupportedDevice=1)
+
+    def nvmlGpmSampleAlloc(self) -> Any:
+        self.allocated += 1
+        return pynvml.c_nvmlGpmSample_t()
+
+    def nvmlGpmSampleGet(self, handle: Any, sample: Any) -> None:
+        return None
+
+    def nvmlGpmSampleFree(self, sample: Any) -> None:
+        self.freed += 1
+
+    def nvmlGpmMetricsGet(self, query: Any) -> Any:
+        values = {pynvml.NVML_GPM_METRIC_SM_UTIL: self.sm_active, pynvml.NVML_GPM_METRIC_SM_OCCUPANCY: self.occupancy}
+        for i in range(query.numMetrics):
+            query.metrics[i].value = values[query.metrics[i].metricId]
+            query.metrics[i].nvmlReturn = 0
+        return query

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import sys
 from collections.abc import Iterator
+import time
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +67,22 @@ async def test_gpu_samples_come_from_nvml_when_there_is_a_gpu(aiohttp_server: An
     assert point.gpu.name == "Fake H100" and point.gpu.memory_total_bytes == 80 * 2**30
     assert point.gpu.utilization_max_pct == 60 and 40 <= (point.gpu.utilization_mean_pct or 0) <= 60
     assert point.gpu.power_mean_w == 300.0 and point.gpu.sm_clock_mean_mhz is None  # clock "not supported"
+    assert point.gpu.sm_active_mean_pct is None  # no GPM metrics on this (fake) GPU: absent, not zero
+
+
+def test_sm_activity_comes_from_gpm_where_nvml_has_it() -> None:
+    """On a GPU with NVML's GPM metrics the sampler records SM activity and occupancy; GPM samples are freed."""
+    from tests.fake_nvml import FakeNvmlWithGpm
+
+    nvml = FakeNvmlWithGpm(sm_active=62.5, occupancy=31.0)
+    sampler = GpuSampler(nvml, interval_s=0.01)
+    samples = [sampler.sample() for _ in range(3)]
+    assert [(s.sm_active_pct, s.sm_occupancy_pct) for s in samples] == [(62.5, 31.0)] * 3
+    sampler.start()
+    time.sleep(0.1)
+    summary = sampler.stop()
+    assert summary.samples >= 1 and summary.sm_active_mean_pct == 62.5 and summary.sm_occupancy_mean_pct == 31.0
+    assert nvml.allocated - nvml.freed == 1  # only the latest sample is held
 
 
 def test_vllm_metrics_page_is_parsed() -> None:
