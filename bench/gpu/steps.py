@@ -1,0 +1,316 @@
+"""The benchmark's steps. Each measures only the points not yet on disk, so a rerun (or the next 10-minute
+command on the GPU machine) resumes where the last one stopped.
+
+- `frontier`: one instance (the papers' 0.9 of the GPU, max_num_seqs the largest B) driven in closed loop at
+  each batch cap B: `planner profile`'s own point files (Fig. 1 of arXiv 2404.03353). Then, on the same instance
+  capped at its best B by the gateway, Poisson arrivals at each load: the baseline a user would otherwise pick.
+- `plan`: `planner plan` on that frontier (B*, the replica count, each replica's memory). When it keeps fewer
+  than `min_replicas`, that many are measured anyway, in the papers' layout (0.9 / N of the GPU each), since
+  whether replication pays is the question.
+- `replicas`: the plan's N replicas started once; `planner validate`'s measurement of 1..N of them through the
+  gateway, k x B* requests in flight (Fig. 5 of arXiv 2503.08311, without MPS); then each routing policy at each
+  Poisson rate over all N (Figs. 4, 6, 7: TTFT, ITL, tokens/s, GPU).
+- `mps`: the same counts with the replicas under NVIDIA MPS.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from bench.gpu.cluster import SampledDeployer, gateway, replicas, resolve_plan
+from bench.gpu.settings import Settings
+from bench.gpu.store import Store
+from deploy.hardware import Hardware
+from deploy.models import ResolvedModel
+from deploy.plan import Admission, GatewaySpec, Plan, ReplicaSpec, load
+from planner import modelinfo
+from planner.client import Timeouts
+from planner.errors import MemoryPlanError
+from planner.gpu import GpuSampler
+from planner.planning import PlanConfig, make_plan, split_vllm_args, write_plan
+from planner.points import Latency, ProfileContext, ProfilePoint
+from planner.profiler import ProfileConfig, Profiler
+from planner.servers import RunningServer
+from planner.sources import load_profile, point_path, read_point
+from planner.stats import RunSummary
+from planner.validate import CountResult, ValidateConfig, Validator, best_count, explain_best
+from planner.workload import FixedLengths, WorkloadSource, prompt_builder
+
+logger = logging.getLogger(__name__)
+
+SHORT = {"least_outstanding_tokens": "lot", "round_robin": "rr", "random": "random", "least_requests": "lr",
+         "power_of_two": "p2c"}
+
+
+@dataclass
+class Context:
+    """What every step works with."""
+
+    settings: Settings
+    store: Store
+    hardware: Hardware
+    sampler: GpuSampler | None
+    log: Callable[[str], None] = print
+
+    @property
+    def out(self) -> Path:
+        return self.settings.out
+
+    @property
+    def profile_dir(self) -> Path:
+        return self.settings.out / "frontier"
+
+    def timeouts(self) -> Timeouts:
+        return Timeouts(request_s=self.settings.request_timeout_s)
+
+
+def routing_name(policy: str, load_: float) -> str:
+    return f"{SHORT.get(policy, policy)}-load{load_:g}"
+
+
+def served_name(model: ResolvedModel) -> str:
+    return model.served_name or model.source
+
+
+def tokenizer_of(model: ResolvedModel) -> str | None:
+    return model.source if (Path(model.source) / "tokenizer.json").is_file() else None
+
+
+def workload_for(settings: Settings, model: ResolvedModel) -> WorkloadSource:
+    """The papers' fixed lengths (ignore_eos), prompts cut to exact length with the model's tokenizer."""
+    return FixedLengths(settings.input_tokens, settings.output_tokens, prompt_builder(tokenizer_of(model), None))
+
+
+# --- frontier ---------------------------------------------------------------------------------------------
+
+
+def single_plan(settings: Settings) -> Plan:
+    """One instance as the papers ran it: 0.9 of the GPU (or the CPU KV cache), capped at the largest B."""
+    max_model_len, extra = split_vllm_args(settings.vllm_args)
+    spec = ReplicaSpec(name="single", model=settings.model, port=settings.single_port,
+                       max_num_seqs=max(settings.batch_sizes), max_model_len=max_model_len,
+                       gpu_memory_utilization=0.9 if settings.device == "gpu" else None,
+                       cpu_kvcache_space_gib=settings.cpu_kvcache_gib if settings.device == "cpu" else None,
+                       extra_args=extra, admission=Admission(max_requests=max(settings.batch_sizes)))
+    return Plan(model=settings.model, replicas=(spec,), gateway=GatewaySpec(port=settings.port, queue_size=100_000,
+                                                                            queue_wait_s=600.0))
+
+
+def profile_context(ctx: Context, model: ResolvedModel, workload: WorkloadSource) -> ProfileContext:
+    s, sampler = ctx.settings, ctx.sampler
+    facts = s.model if modelinfo.spec(s.model) is not None else model.source
+    return ProfileContext(model=s.model, device=s.device, workload=workload.describe(), vllm_args=s.vllm_args,
+                          weights_bytes=modelinfo.weights_bytes(facts),
+                          kv_bytes_per_token=modelinfo.kv_bytes_per_token(facts),
+                          cpu_kvcache_space_gib=s.cpu_kvcache_gib if s.device == "cpu" else None,
+                          gpu_name=sampler.name if sampler else None,
+                          gpu_memory_total_bytes=sampler.memory_total_bytes if sampler else None,
+                          source=str(ctx.profile_dir))
+
+
+def best_point(profile_dir: Path) -> ProfilePoint:
+    """The single instance's best measured throughput over B (its capacity is that point's request rate)."""
+    return max(load_profile(profile_dir).points, key=lambda p: (p.total_tok_s, -p.batch_size))
+
+
+def frontier(ctx: Context) -> None:
+    s = ctx.settings
+    todo = [b for b in sorted(s.batch_sizes) if not point_path(ctx.profile_dir, b).exists()]
+    baseline = [x for x in s.loads if not ctx.store.has("routing", routing_name("single", x))]
+    if not todo and not baseline:
+        ctx.log("frontier: every point is measured already")
+        return
+    plan, models = resolve_plan(single_plan(s), ctx.hardware)
+    model = models[s.model]
+    workload = workload_for(s, model)
+    context = profile_context(ctx, model, workload)
+    if ctx.sampler is not None:
+        ctx.sampler.mark_baseline()  # GPU memory before vLLM: the plan measures vLLM's overhead from it
+    with replicas(plan, ctx.hardware, ctx.out / "run" / "single", startup_timeout_s=s.startup_timeout_s,
+                  log=ctx.log) as running:
+        ctx.store.put("frontier", "startup", {"startup_s": running.startup_s})
+        url, req_s = running.urls[0], None
+        for b in sorted(s.batch_sizes):
+            path = point_path(ctx.profile_dir, b)
+            if not path.exists():
+                config = ProfileConfig(out=ctx.profile_dir, batch_sizes=(b,), num_requests=s.requests_for(b, req_s),
+                                       warmup_requests=s.warmup_requests, model_name=served_name(model),
+                                       metrics_interval_s=0.5, timeouts=ctx.timeouts())
+                Profiler(config, RunningServer(url), workload, context, ctx.sampler, out=ctx.log).run()
+            req_s = read_point(path)[1].req_s
+        best = best_point(ctx.profile_dir)
+        capacity = best.req_s or 0.0
+        for x in baseline:
+            with gateway(plan, ctx.hardware, ctx.out / "run" / "gw-single", 1, "least_outstanding_tokens", s.port,
+                         batch_cap=best.batch_size) as url:
+                routing_point(ctx, url, model, x * capacity, routing_name("single", x),
+                              {"policy": "single instance", "replicas": 1, "load": x, "batch_cap": best.batch_size,
+                               "capacity_req_s": capacity})
+
+
+def routing_point(ctx: Context, url: str, model: ResolvedModel, rate: float, name: str,
+                  meta: dict[str, Any]) -> None:
+    """Poisson arrivals at `rate` through the gateway at `url` (a real Locust run), GPU sampled meanwhile."""
+    from loadtest.cli import report_run
+    from loadtest.config import LoadConfig
+    from loadtest.runner import run_locust
+    from loadtest.schedules import ArrivalSpec
+    from loadtest.workloads import WorkloadSpec
+
+    s = ctx.settings
+    out = ctx.out / "loadtest" / name
+    config = LoadConfig(hosts=(url,), model=served_name(model), mode="open",
+                        arrival=ArrivalSpec(kind="poisson", rate=rate, duration=s.rate_duration_s, seed=s.seed),
+                        workload=WorkloadSpec(kind="fixed", input_len=s.input_tokens, output_len=s.output_tokens,
+                                              tokenizer=tokenizer_of(model), seed=s.seed),
+                        out_dir=str(out), drain_timeout=s.drain_s, read_timeout=s.request_timeout_s)
+    ctx.log(f"  {name}: Poisson {rate:.2f} req/s for {s.rate_duration_s:g} s through {url}")
+    started = time.monotonic()
+    if ctx.sampler is not None:
+        ctx.sampler.start()
+    try:
+        result = run_locust(config, out)
+    finally:
+        gpu = ctx.sampler.stop() if ctx.sampler is not None else None
+    summary = report_run(config, result.records, out)
+    ctx.store.put("routing", name, {**meta, "rate_req_s": round(rate, 3), "summary": summary,
+                                    "gpu": asdict(gpu) if gpu else None,
+                                    "elapsed_s": round(time.monotonic() - started, 1)})
+    ctx.log(f"  {name}: {summary['total_token_throughput']:.0f} tok/s, TTFT p50 "
+            f"{_ms(summary.get('median_ttft_ms'))} p99 {_ms(summary.get('p99_ttft_ms'))}, ITL p50 "
+            f"{_ms(summary.get('median_itl_ms'))} ms, {summary['failed']} failed")
+
+
+def _ms(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.0f}"
+
+
+# --- plan -------------------------------------------------------------------------------------------------
+
+
+def plan(ctx: Context) -> None:
+    s = ctx.settings
+    measured_path = ctx.out / "plan-measured.yaml"
+    if measured_path.exists() and ctx.store.has("plan", "plan"):
+        ctx.log(f"plan: done already ({measured_path})")
+        return
+    profile = load_profile(ctx.profile_dir)
+    config = PlanConfig(device=s.device, max_replicas=s.max_replicas, base_port=s.port + 1, gateway_port=s.port,
+                        queue_size=100_000, queue_wait_s=600.0)
+    planned = make_plan(profile, config)
+    write_plan(planned, ctx.out / "plan.yaml")
+    measured, why = planned, "the planner's count"
+    if len(planned.replicas) < s.min_replicas:
+        try:
+            measured = make_plan(profile, replace(config, replicas=s.min_replicas))
+            why = (f"the planner keeps {len(planned.replicas)}; {s.min_replicas} measured as well (they fit, "
+                   "with the planner's margins) to see whether replication pays")
+        except MemoryPlanError as exc:
+            measured = papers_layout(planned, s.min_replicas, s.device)
+            why = (f"the planner keeps {len(planned.replicas)} ({exc}); {s.min_replicas} measured anyway in the "
+                   "papers' layout, 0.9 / N of the GPU each (vLLM preempts if their KV caches run short; the "
+                   "preemptions are counted)")
+    write_plan(measured, measured_path)
+    ctx.store.put("plan", "plan", {"b_star": planned.reasoning["batch"]["b_star"],
+                                   "planned_replicas": len(planned.replicas),
+                                   "measured_replicas": len(measured.replicas), "why": why,
+                                   "summary": planned.reasoning["summary"],
+                                   "memory": planned.reasoning["memory"], "layout": planned.reasoning["layout"]})
+    ctx.log(f"plan: {planned.reasoning['summary']}\nplan: measuring {len(measured.replicas)} replica(s): {why}")
+
+
+def papers_layout(planned: Plan, count: int, device: str) -> Plan:
+    """`count` copies of the planned replica, each with 0.9 / count of the GPU (the papers' layout)."""
+    first = planned.replicas[0]
+    share = math.floor(0.9 / count * 100) / 100
+    specs = tuple(replace(first, name=f"r{i}", port=first.port + i,
+                          gpu_memory_utilization=share if device == "gpu" else None, kv_cache_memory_bytes=None)
+                  for i in range(count))
+    return replace(planned, replicas=specs)
+
+
+# --- replicas (Fig. 5) and routing (Figs. 4, 6, 7) ---------------------------------------------------------
+
+
+def b_star_of(plan_: Plan) -> int:
+    batch = plan_.reasoning.get("batch") or {}
+    cap = batch.get("b_star") or plan_.replicas[0].max_num_seqs
+    return int(cap or 1)
+
+
+def replica_counts(ctx: Context, mps: bool) -> None:
+    s = ctx.settings
+    step = "mps" if mps else "replicas"
+    if mps and s.device != "gpu":
+        ctx.store.put("mps", "unavailable", {"reason": "NVIDIA MPS needs an NVIDIA GPU; this run is on the CPU"})
+        ctx.log("mps: skipped (no NVIDIA GPU)")
+        return
+    planned = load(ctx.out / "plan-measured.yaml")
+    n, b_star = len(planned.replicas), b_star_of(planned)
+    counts = [k for k in range(1, n + 1) if not ctx.store.has(step, f"k{k}")]
+    routes = [] if mps else [(p, x) for p in s.policies for x in s.loads
+                             if not ctx.store.has("routing", routing_name(p, x))]
+    if not counts and not routes:
+        ctx.log(f"{step}: every point is measured already")
+        decide(ctx, step)
+        return
+    resolved, models = resolve_plan(planned, ctx.hardware)
+    model = models[planned.replicas[0].model]
+    workload = workload_for(s, model)
+    best = best_point(ctx.profile_dir)
+    one = load_profile(ctx.profile_dir).point(b_star) if b_star in s.batch_sizes else best
+    with replicas(resolved, ctx.hardware, ctx.out / "run" / step, mps=mps, startup_timeout_s=s.startup_timeout_s,
+                  log=ctx.log) as running:
+        if mps and not running.mps:
+            ctx.store.put("mps", "unavailable", {"reason": "the MPS control daemon did not start; see "
+                                                           f"{ctx.out / 'run' / step / 'mps'}"})
+            ctx.log("mps: the MPS control daemon did not start; skipped")
+            return
+        deployer = SampledDeployer(resolved, ctx.hardware, ctx.out / "run" / step, s.port, sampler=ctx.sampler)
+        for k in counts:
+            started = time.monotonic()
+            n_requests = s.requests_for(k * b_star, (one.req_s or 0) * k or None)
+            validator = Validator(resolved, ValidateConfig(counts=(k,), num_requests=n_requests, min_gain=s.min_gain,
+                                                           warmup_requests=s.warmup_requests,
+                                                           timeouts=ctx.timeouts()),
+                                  deployer, workload, out=ctx.log)
+            result = validator.measure(k)
+            ctx.store.put(step, f"k{k}", {**result.to_dict(), "mps": running.mps, "b_star": b_star,
+                                          "gpu": asdict(deployer.last_gpu) if deployer.last_gpu else None,
+                                          "startup_s": running.startup_s,
+                                          "elapsed_s": round(time.monotonic() - started, 1)})
+        capacity = best.req_s or 0.0
+        for policy, x in routes:
+            with gateway(resolved, ctx.hardware, ctx.out / "run" / f"gw-{SHORT.get(policy, policy)}", n, policy,
+                         s.port) as url:
+                routing_point(ctx, url, model, x * capacity, routing_name(policy, x),
+                              {"policy": policy, "replicas": n, "load": x, "batch_cap": b_star,
+                               "capacity_req_s": capacity})
+    decide(ctx, step)
+
+
+def count_result(data: dict[str, Any]) -> CountResult:
+    """A stored count back as `planner validate`'s value."""
+    fields: dict[str, Any] = {k: (Latency(**v) if k.endswith("_ms") and isinstance(v, dict) else v) for k, v in data.items()
+              if k in RunSummary.__dataclass_fields__}
+    return CountResult(int(data["replicas"]), int(data["concurrency"]), RunSummary(**fields))
+
+
+def decide(ctx: Context, step: str) -> None:
+    """`planner validate`'s rule over the counts measured: the count to keep, and why (one replica if
+    replication does not pay)."""
+    stored = {k: v for k, v in ctx.store.all(step).items() if k.startswith("k")}
+    if not stored:
+        return
+    results = sorted((count_result(v) for v in stored.values()), key=lambda r: r.replicas)
+    best = best_count(results, ctx.settings.min_gain)
+    decision = explain_best(results, best, ctx.settings.min_gain)
+    ctx.store.put(step, "decision", {"best_replicas": best.replicas, "decision": decision,
+                                     "min_gain": ctx.settings.min_gain})
+    ctx.log(f"{step}: {decision}")

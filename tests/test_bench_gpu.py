@@ -1,0 +1,132 @@
+"""bench.gpu_replication without vLLM: request sizing, the time budget and --dry-run, the decision rule over
+stored counts, and the report from stored points of a (made-up, clearly labelled) GPU run: tables beside the
+papers', the simulator's prediction, the figures."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+
+from bench.gpu.report import sim_gpu, sim_prediction, write
+from bench.gpu.settings import Settings, budget, gpu_preset, quick_preset
+from bench.gpu.steps import Context, decide, routing_name
+from bench.gpu.store import Store
+from bench.gpu_replication import main
+from deploy.hardware import Hardware
+from deploy.plan import Admission, Plan, ReplicaSpec, dump
+from planner.points import GpuSummary, Latency, ProfileContext, ProfilePoint, Workload
+from planner.sources import write_point
+from planner.stats import RunSummary
+from planner.validate import CountResult
+
+
+def test_requests_are_sized_by_waves_and_by_the_time_a_point_may_take() -> None:
+    """Two waves of the concurrency, at least min_requests, at most what the last rate serves in point_s, and
+    never less than one wave."""
+    s = gpu_preset("synthetic:opt-1.3b", Path("/tmp/x"))
+    assert s.requests_for(1, None) == 16 and s.requests_for(256, None) == 512
+    assert s.requests_for(256, 10.0) == 256  # 10 req/s x 25 s = 250 < one wave: one wave
+    assert s.requests_for(256, 15.0) == 375
+    assert s.requests_for(64, 1000.0) == 128
+
+
+def test_the_gpu_budget_fits_the_window_and_dry_run_says_so(capsys: pytest.CaptureFixture[str],
+                                                            tmp_path: Path) -> None:
+    """The default GPU run, 4 replicas assumed, fits 25 minutes vLLM starts included; --dry-run prints each step."""
+    s = gpu_preset("synthetic:opt-1.3b", tmp_path)
+    total = sum(b.total_s(s.startup_estimate_s) for b in budget(s))
+    assert 10 * 60 < total <= s.window_s
+    assert [b.step for b in budget(s)] == ["frontier", "plan", "replicas", "mps", "report"]
+    assert [b.step for b in budget(quick_preset(tmp_path))] == ["frontier", "plan", "replicas", "report"]
+    assert main(["--model", "synthetic:opt-1.3b", "--out", str(tmp_path), "--dry-run"]) == 0
+    printed = capsys.readouterr().out
+    assert "of a 25-minute window (fits)" in printed and "| mps | 4 |" in printed
+    assert '"frontier": 0' in printed and not list(tmp_path.iterdir())  # nothing measured, nothing written
+    assert main(["--dry-run", "--out", str(tmp_path)]) == 2  # no --model and no --quick
+
+
+def summary(tok_s: float) -> RunSummary:
+    lat = Latency(mean=20.0, p50=18.0, p99=40.0)
+    return RunSummary(num_requests=512, failed_requests=0, duration_s=30.0, req_s=tok_s / 384, output_tok_s=tok_s / 3,
+                      total_tok_s=tok_s, mean_input_tokens=256.0, ttft_ms=lat, tpot_ms=lat, itl_ms=lat, e2e_ms=lat)
+
+
+def gpu(util: float, active: float) -> dict[str, object]:
+    return asdict(GpuSummary(name="NVIDIA H100 80GB HBM3", memory_total_bytes=80 * 2**30, samples=50,
+                             utilization_mean_pct=util, utilization_max_pct=100.0,
+                             memory_used_max_bytes=70 * 2**30, memory_used_before_bytes=2**30, power_mean_w=450.0,
+                             sm_active_mean_pct=active, sm_occupancy_mean_pct=active / 2))
+
+
+@pytest.fixture
+def stored(tmp_path: Path) -> tuple[Settings, Store]:
+    """The files a GPU run leaves (MADE-UP numbers, not a measurement), for the report to read."""
+    s = gpu_preset("synthetic:opt-1.3b", tmp_path)
+    s = Settings(**{**asdict(s), "out": tmp_path, "batch_sizes": (64, 256), "loads": (0.6, 1.2)})
+    store = Store(tmp_path)
+    context = ProfileContext(model=s.model, device="gpu", workload=Workload("fixed", 256, 128),
+                             gpu_name="NVIDIA H100 80GB HBM3", gpu_memory_total_bytes=80 * 2**30)
+    for b, tok in ((64, 8000.0), (256, 11000.0)):
+        write_point(tmp_path / "frontier", context, ProfilePoint(
+            batch_size=b, total_tok_s=tok, req_s=tok / 384, tpot_ms=Latency(mean=b / 10, p50=b / 10, p99=b / 5),
+            ttft_ms=Latency(mean=50.0, p50=40.0, p99=90.0), preemptions=0,
+            gpu=GpuSummary(**gpu(90.0, 40.0 + b / 10))))  # type: ignore[arg-type]
+    replicas = tuple(ReplicaSpec(f"r{i}", s.model, 18001 + i, max_num_seqs=256, gpu_memory_utilization=0.45,
+                                 admission=Admission(max_requests=256)) for i in range(2))
+    dump(Plan(model=s.model, replicas=replicas, reasoning={"batch": {"b_star": 256}}), tmp_path / "plan-measured.yaml")
+    store.put("plan", "plan", {"b_star": 256, "planned_replicas": 1, "measured_replicas": 2, "summary": "B* = 256",
+                               "why": "made up for the test"})
+    for step, toks in (("replicas", (11000.0, 11300.0)), ("mps", (11000.0, 14000.0))):
+        for k, tok in enumerate(toks, start=1):
+            store.put(step, f"k{k}", {**CountResult(k, 256 * k, summary(tok)).to_dict(), "gpu": gpu(95, 50 + 10 * k)})
+    for policy, n in (("single", 1), ("least_outstanding_tokens", 2), ("round_robin", 2)):
+        for x in s.loads:
+            store.put("routing", routing_name(policy, x), {
+                "policy": "single instance" if policy == "single" else policy, "replicas": n, "load": x,
+                "rate_req_s": 28.0 * x, "gpu": gpu(80, 45),
+                "summary": {"total_token_throughput": 9000 * x, "median_ttft_ms": 50 * x, "p99_ttft_ms": 300 * x,
+                            "median_itl_ms": 20.0, "p99_itl_ms": 60.0, "failed": 0}})
+    (tmp_path / "machine.json").write_text(json.dumps({"device": "gpu", "gpu": "NVIDIA H100 80GB HBM3",
+                                                       "vllm": "0.26.0"}))
+    store.add_time("frontier", 200.0)
+    return s, store
+
+
+def test_decision_keeps_one_replica_when_replication_does_not_pay(stored: tuple[Settings, Store]) -> None:
+    """Without MPS, +2.7% keeps one replica, and says why; with MPS, +27% keeps two."""
+    s, store = stored
+    ctx = Context(s, store, Hardware(gpus=(), cpus=(0,)), None, log=lambda line: None)
+    decide(ctx, "replicas")
+    decide(ctx, "mps")
+    plain, mps = store.get("replicas", "decision"), store.get("mps", "decision")
+    assert plain is not None and plain["best_replicas"] == 1
+    assert plain["decision"].startswith("keep 1 replica(s): replication does not pay here")
+    assert mps is not None and mps["best_replicas"] == 2
+
+
+def test_report_sets_the_measurements_beside_the_papers_and_the_simulator(stored: tuple[Settings, Store]) -> None:
+    s, store = stored
+    ctx = Context(s, store, Hardware(gpus=(), cpus=(0,)), None, log=lambda line: None)
+    decide(ctx, "replicas")
+    text = write(s, store).read_text()
+    assert "| 256 | 11,000 | 25.6 |" in text and "10,810 | 29.9 |" in text  # ours beside the paper's B=256
+    assert "14,669 (+35%)" in text and "| 2 | 11,300 | +3% |" in text and "14,000 | +27% |" in text
+    assert "replication does not pay here" in text
+    assert "| least_outstanding_tokens | 2 | 1.2 | 33.60 | 10,800 |" in text
+    assert "- gpu: NVIDIA H100 80GB HBM3" in text and "| frontier | 1 |" in text
+    results = json.loads((s.out / "results.json").read_text())
+    assert set(results["counts"]["sim"]) == {"1", "2"} and results["counts"]["sim"]["1"] > 0
+    for figure in ("fig1_frontier.png", "fig5_replicas.png", "fig4_routing.png", "fig6_gpu.png"):
+        assert (s.out / figure).stat().st_size > 10_000
+
+
+def test_simulator_gpu_names_and_predictions() -> None:
+    assert sim_gpu("NVIDIA H100 80GB HBM3") == "H100-80GB" and sim_gpu("NVIDIA H200") == "H200"
+    assert sim_gpu("NVIDIA L40S") is None and sim_gpu(None) is None
+    s = gpu_preset("synthetic:opt-1.3b", Path("/tmp/x"))
+    predicted = sim_prediction(s, "NVIDIA H100 80GB HBM3", 128, 0.45, (1, 2))
+    assert predicted[2] > predicted[1] > 0
+    assert sim_prediction(quick_preset(Path("/tmp/x")), "NVIDIA H100 80GB HBM3", 128, 0.45, (1, 2)) == {}

@@ -1,0 +1,66 @@
+"""`python -m bench.gpu_replication --quick` end to end on REAL vLLM (CPU) with the tiny model: the frontier on
+one instance, `planner plan`, 1..2 replicas through the gateway, the routing policies under a real Locust run,
+the report; then the same command again measures nothing (every point is on disk)."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from planner.sources import load_profile
+from tests.conftest import port_bound
+
+pytestmark = pytest.mark.vllm
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_base() -> int:
+    for _ in range(200):
+        base = random.randint(20000, 60000)
+        if all(not port_bound(base + i) for i in (0, 1, 2, 50)):
+            return base
+    raise RuntimeError("no free ports")
+
+
+def test_quick_run_end_to_end_and_resume(tmp_path: Path) -> None:
+    out = tmp_path / "quick"
+    command = [sys.executable, "-m", "bench.gpu_replication", "--quick", "--out", str(out), "--port", str(free_base())]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+
+    profile = load_profile(out / "frontier")
+    assert [p.batch_size for p in profile.points] == [2, 8]
+    assert all(p.total_tok_s > 0 and p.failed_requests == 0 and p.gpu is None for p in profile.points)
+    plan = json.loads((out / "points" / "plan" / "plan.json").read_text())
+    assert plan["b_star"] in (2, 8) and plan["measured_replicas"] == 2
+    for k in (1, 2):
+        count = json.loads((out / "points" / "replicas" / f"k{k}.json").read_text())
+        assert count["replicas"] == k and count["concurrency"] == k * plan["b_star"]
+        assert count["total_tok_s"] > 0 and count["failed_requests"] == 0
+    decision = json.loads((out / "points" / "replicas" / "decision.json").read_text())
+    assert decision["decision"].startswith(f"keep {decision['best_replicas']} replica")
+    assert "NVIDIA GPU" in json.loads((out / "points" / "mps" / "unavailable.json").read_text())["reason"]
+    for name in ("single-load0.9", "lot-load0.9", "rr-load0.9"):
+        point = json.loads((out / "points" / "routing" / f"{name}.json").read_text())
+        assert point["summary"]["completed"] > 0 and point["summary"]["failed"] == 0
+        assert (out / "loadtest" / name / "records.jsonl").stat().st_size > 0  # a real Locust run wrote them
+    text = (out / "summary.md").read_text()
+    assert "CPU run" in text and "14,669 (+35%)" in text and decision["decision"] in text
+    for figure in ("fig1_frontier.png", "fig5_replicas.png", "fig4_routing.png", "fig6_gpu.png"):
+        assert (out / figure).stat().st_size > 10_000
+    steps = {row["step"] for row in json.loads((out / "timings.json").read_text())}
+    assert steps == {"frontier", "plan", "replicas", "mps", "report"}
+
+    started = time.monotonic()
+    again = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "frontier: every point is measured already" in again.stdout
+    assert "replicas: every point is measured already" in again.stdout
+    assert "starting" not in again.stdout and time.monotonic() - started < 60  # no vLLM was started
