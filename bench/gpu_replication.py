@@ -17,6 +17,7 @@ import argparse
 import json
 import logging
 import platform
+import signal
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -183,8 +184,15 @@ def run(settings: Settings, steps: Sequence[str], log: Callable[[str], None] = p
             sampler.close()
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    # SIGTERM (a time limit, `timeout`) unwinds like Ctrl-C: every vLLM and gateway started is stopped, and the
+    # points measured so far stay on disk for the rerun.
+    signal.signal(signal.SIGTERM, _interrupt)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from deploy.models import ModelError
     from deploy.process import ProcessError
@@ -199,6 +207,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, ModelError, PlannerError) as exc:
         print(f"bench.gpu_replication: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("bench.gpu_replication: interrupted; the points measured so far are kept; rerun to resume",
+              file=sys.stderr)
+        return 130
     except (RunError, ProcessError, RuntimeError) as exc:
         print(f"bench.gpu_replication: {exc}\nThe points measured so far are kept; rerun the same command to "
               "resume.", file=sys.stderr)

@@ -344,8 +344,9 @@ def _check_python(meta: dict[str, Any], target: Target) -> None:
 
 
 def _manifest(config: BuildConfig, out: Path, plan: Selection, have: dict[str, str]) -> dict[str, Any]:
-    files = {p.name: {"bytes": p.stat().st_size, "sha256": sha256(p)} for p in sorted(out.glob("*.whl"))}
-    manifest = {
+    files: dict[str, dict[str, Any]] = {p.name: {"bytes": p.stat().st_size, "sha256": sha256(p)}
+                                        for p in sorted(out.glob("*.whl"))}
+    manifest: dict[str, Any] = {
         "top": plan.top, "target": {**asdict(config.target), "platforms": list(config.target.platforms)},
         "profile": config.profile, "project": config.project, "have": str(config.have) if config.have else None,
         "have_packages": len(have), "provided_by_target": plan.provided, "left_out": plan.left_out,

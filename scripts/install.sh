@@ -38,8 +38,23 @@ if [ -n "$wheelhouse" ]; then
     echo "install: $venv is up to date (from the wheelhouse $wheelhouse)" >&2
     exit 0
   fi
-  [ -x "$venv/bin/python" ] || "$python" -m venv ${system_site[@]+"${system_site[@]}"} "$venv"
-  offline=("$venv/bin/python" -m pip install --disable-pip-version-check -q --no-index --find-links "$wheels")
+  pip_of=("$venv/bin/python" -m pip)
+  if [ ! -x "$venv/bin/python" ]; then
+    if ! "$python" -m venv ${system_site[@]+"${system_site[@]}"} "$venv" 2>/dev/null; then
+      # No ensurepip (Debian and Ubuntu ship it apart): a venv without pip, filled by this Python's pip.
+      rm -rf "$venv"
+      "$python" -m venv --without-pip ${system_site[@]+"${system_site[@]}"} "$venv"
+    fi
+    if [ ${#system_site[@]} -gt 0 ]; then
+      # When $python is itself a virtualenv (as on the GPU machines: /opt/torch/.venv), the system site the
+      # new venv sees is its base interpreter's, not the one holding torch: add that one's site-packages too,
+      # after the venv's own, so what we install comes first.
+      "$python" -c 'import site, sys; sys.prefix != sys.base_prefix and print("\n".join(site.getsitepackages()))' \
+        > "$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/_parent_site.pth"
+    fi
+  fi
+  "${pip_of[@]}" --version >/dev/null 2>&1 || pip_of=("$python" -m pip --python "$venv/bin/python")
+  offline=("${pip_of[@]}" install --disable-pip-version-check -q --no-index --find-links "$wheels")
   echo "install: installing from $wheels with no network${system_site:+, reusing the system packages}" >&2
   "${offline[@]}" -r "$wheels/requirements.txt"
   "${offline[@]}" --no-deps -r "$wheels/top.txt"  # vLLM itself: its requirements were chosen at build time

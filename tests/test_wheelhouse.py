@@ -149,6 +149,8 @@ def test_install_offline_into_a_venv_that_reuses_the_system_packages(
     alpha, top, version, location = seen.stdout.split()
     assert (alpha, top, version) == ("1.5", "1.0", own_version)
     assert not location.startswith(str(venv))  # the system's copy, not one installed into the venv
+    # This test's Python is itself a venv, like the GPU machines' python3: its site-packages are seen too.
+    assert sys.prefix in (next(venv.glob("lib/python*/site-packages")) / "_parent_site.pth").read_text()
     again = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
     assert again.returncode == 0 and "up to date" in again.stderr
 
