@@ -65,7 +65,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-replicas", type=int, help="plan at most this many (default 4)")
     p.add_argument("--loads", type=_floats, help="Poisson rates as fractions of one instance's capacity "
                                                  "(default 0.6,0.9,1.2)")
-    p.add_argument("--rate-duration", type=float, dest="rate_duration_s", help="seconds per Poisson run (30)")
+    p.add_argument("--rate-duration", type=float, dest="rate_duration_s", help="seconds per Poisson run (20)")
     p.add_argument("--point-s", type=float, help="seconds a closed-loop point may take (25)")
     p.add_argument("--no-mps", action="store_true", help="skip the MPS step")
     p.add_argument("--port", type=int, help="the gateway's port; replicas on the next ones (default 18000)")

@@ -32,7 +32,7 @@ class Settings:
     min_replicas: int = 2  # measure at least 1..2 replicas even if the plan keeps one (that is the question)
     max_replicas: int = 4
     loads: tuple[float, ...] = (0.6, 0.9, 1.2)  # Poisson rates as fractions of the single instance's capacity
-    rate_duration_s: float = 30.0
+    rate_duration_s: float = 20.0
     drain_s: float = 60.0
     policies: tuple[str, ...] = ("least_outstanding_tokens", "round_robin")
     mps: bool = True
