@@ -14,6 +14,14 @@ A decode step needs one more block for each sequence whose length crosses a 16-t
 blocks run out the engine preempts the most recently admitted running request (recompute: its blocks are freed
 and it goes back to the front of the waiting queue, to prefill prompt plus output so far).
 
+Automatic prefix caching (`enable_prefix_caching`, vLLM's APC): a request may carry the hashes of its token
+sequence's full blocks (`SimRequest.blocks`, chained as vLLM chains them, so equal hashes mean equal prefixes).
+At admission the longest run of leading blocks found in the cache is taken as computed (at least one prompt token
+is always computed, as in vLLM): those blocks are shared, not allocated, and cost no prefill. A request's full
+blocks are entered into the cache when its prefill ends (the prompt's) and when it leaves (all of them). Blocks
+no running request holds stay cached but count as free; allocating past the empty blocks evicts the least
+recently freed (a request's tail blocks before its head, as vLLM frees them in reverse).
+
 Per-step work is O(1) in the batch size: decoding sequences are kept as aggregates (count, total length,
 sequences per length mod 16) against a step counter, finishing ones in a heap keyed by their last step. A
 request's own counts are computed when needed. Only requests with a per-token listener (HTTP streaming) are
@@ -25,7 +33,8 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import deque
-from collections.abc import Callable
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from .clock import Clock
@@ -49,6 +58,7 @@ class EngineConfig:
     block_size: int = 16
     watermark: float = 0.01
     chunked_prefill: bool = False
+    enable_prefix_caching: bool = False
 
     def __post_init__(self) -> None:
         for name in ("num_gpu_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size"):
@@ -69,13 +79,14 @@ class SimRequest:
 
     __slots__ = ("rid", "prompt_tokens", "max_tokens", "arrival", "state", "generated", "start", "c0", "epoch",
                  "prefilled", "target", "first_token_at", "finished_at", "preemptions", "error",
-                 "on_first_token", "on_token", "on_finish", "tag")
+                 "on_first_token", "on_token", "on_finish", "tag", "blocks", "refs", "cached_tokens")
 
     _ids = itertools.count()
 
     def __init__(self, prompt_tokens: int, max_tokens: int,
                  on_first_token: Callback | None = None, on_token: TokenCallback | None = None,
-                 on_finish: Callback | None = None, tag: object = None) -> None:
+                 on_finish: Callback | None = None, tag: object = None,
+                 blocks: Sequence[int] | None = None) -> None:
         if prompt_tokens < 1 or max_tokens < 1:
             raise ValueError(f"a request needs >= 1 prompt and output token, got {prompt_tokens}, {max_tokens}")
         self.rid = next(SimRequest._ids)
@@ -97,6 +108,9 @@ class SimRequest:
         self.on_token = on_token
         self.on_finish = on_finish
         self.tag = tag
+        self.blocks = blocks  # hashes of the sequence's full blocks (prompt, then output): for prefix caching
+        self.refs: list[int] = []  # cached blocks it holds (a leading run of `blocks`)
+        self.cached_tokens = 0  # prompt tokens found in the prefix cache, over all its admissions
 
 
 def _blocks(tokens: int, size: int) -> int:
@@ -127,6 +141,9 @@ class Engine:
         self._kicked = False
         self._decode = False
         self._chunks: list[tuple[SimRequest, int, int]] = []
+        self._apc = config.enable_prefix_caching
+        self._cached: dict[int, int] = {}  # block hash -> running requests holding it (counted in used_blocks)
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # cached blocks nobody holds, oldest first
         # Counters (vLLM's metrics read these).
         self.num_preemptions = 0
         self.prompt_tokens_total = 0
@@ -134,6 +151,8 @@ class Engine:
         self.finished_total = 0
         self.steps_total = 0
         self.max_blocks_used = 0
+        self.prefix_cache_queries = 0  # prompt tokens looked up in the prefix cache
+        self.prefix_cache_hits = 0  # of which found
 
     # -- the outside --------------------------------------------------------------------------------------
     def add(self, req: SimRequest) -> None:
@@ -179,6 +198,11 @@ class Engine:
     @property
     def num_waiting(self) -> int:
         return len(self.waiting)
+
+    @property
+    def cached_blocks(self) -> int:
+        """Blocks in the prefix cache (held by running requests or evictable)."""
+        return len(self._cached) + len(self._evictable)
 
     @property
     def kv_usage(self) -> float:
@@ -254,7 +278,7 @@ class Engine:
                 break
             chunk = min(req.target - req.prefilled, budget, self._room(req.prefilled))
             if chunk > 0:
-                self.used_blocks += _blocks(req.prefilled + chunk, self._bs) - _blocks(req.prefilled, self._bs)
+                self._allocate(_blocks(req.prefilled + chunk, self._bs) - _blocks(req.prefilled, self._bs))
                 self._chunks.append((req, req.prefilled, chunk))
                 budget -= chunk
         if budget > 0:
@@ -276,27 +300,101 @@ class Engine:
         while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
             req = self.waiting[0]
             target = req.prompt_tokens + req.generated
-            chunk = target if whole else min(target, budget)
-            need = _blocks(chunk, self._bs)
+            hits, revived = self._lookup(req, target) if self._apc and req.blocks else (0, 0)
+            cached = hits * self._bs
+            chunk = target - cached if whole else min(target - cached, budget)
+            need = _blocks(cached + chunk, self._bs) - hits + revived
             if chunk > budget or need > free:
                 break
             self.waiting.popleft()
             free -= need
-            self.used_blocks += need
             budget -= chunk
-            req.state, req.prefilled, req.target = PREFILL, 0, target
+            if self._apc:
+                self._take_hits(req, hits, target)
+            self._allocate(need - revived)
+            req.state, req.prefilled, req.target = PREFILL, cached, target
             self.running[req.rid] = req
             if not whole:
                 self.prefilling.append(req)
-            chunks.append((req, 0, chunk))
+            chunks.append((req, cached, chunk))
         return chunks
+
+    # -- prefix caching -----------------------------------------------------------------------------------
+    def _lookup(self, req: SimRequest, target: int) -> tuple[int, int]:
+        """Leading blocks of `req` in the cache (at most up to its last token), and how many are evictable."""
+        blocks, cached, evictable = req.blocks, self._cached, self._evictable
+        assert blocks is not None
+        limit = min(len(blocks), (target - 1) // self._bs)
+        hits = revived = 0
+        while hits < limit:
+            h = blocks[hits]
+            if h in evictable:
+                revived += 1
+            elif h not in cached:
+                break
+            hits += 1
+        return hits, revived
+
+    def _take_hits(self, req: SimRequest, hits: int, target: int) -> None:
+        """Hold the `hits` leading cached blocks (an evictable one comes back into use); count the lookup."""
+        blocks = req.blocks or ()
+        for h in blocks[:hits]:
+            self._hold(h)
+        req.refs = list(blocks[:hits])
+        req.cached_tokens += hits * self._bs
+        if blocks:
+            self.prefix_cache_queries += target
+            self.prefix_cache_hits += hits * self._bs
+
+    def _hold(self, h: int) -> None:
+        if h in self._cached:
+            self._cached[h] += 1
+        else:
+            del self._evictable[h]
+            self._cached[h] = 1
+            self.used_blocks += 1
+
+    def _allocate(self, blocks: int) -> None:
+        """Take `blocks` free blocks, evicting the oldest cached ones when the empty ones run out."""
+        self.used_blocks += blocks
+        if self._apc:
+            evictable = self._evictable
+            for _ in range(self.used_blocks + len(evictable) - self.config.num_gpu_blocks):
+                evictable.popitem(last=False)
+
+    def _register(self, req: SimRequest, tokens: int) -> None:
+        """Enter `req`'s full blocks within its first `tokens` tokens into the cache (it holds them from now on)."""
+        if not self._apc or not req.blocks:
+            return
+        for i in range(len(req.refs), min(len(req.blocks), tokens // self._bs)):
+            h = req.blocks[i]
+            if h in self._cached or h in self._evictable:
+                self._hold(h)  # computed twice at once: keep the cached copy, free this one
+                self.used_blocks -= 1
+            else:
+                self._cached[h] = 1
+            req.refs.append(h)
+
+    def _free(self, req: SimRequest, blocks: int, computed: int) -> None:
+        """Free the `blocks` blocks `req` holds; the full blocks of its first `computed` tokens stay cached."""
+        self._register(req, computed)
+        self.used_blocks -= blocks - len(req.refs)
+        cached, evictable = self._cached, self._evictable
+        for h in reversed(req.refs):  # the tail is evicted first, as vLLM frees blocks in reverse
+            if cached[h] > 1:
+                cached[h] -= 1
+            else:
+                del cached[h]
+                evictable[h] = None
+                self.used_blocks -= 1
+        req.refs = []
 
     def _reserve_decode_blocks(self) -> None:
         """Blocks for every decoding sequence that crosses a block boundary this step; preempt until they fit."""
         while self._n_dec:
             need = self._phase[(1 - self._steps) % self._bs]
             if need <= self.config.num_gpu_blocks - self.used_blocks:
-                self.used_blocks += need
+                self._allocate(need)
                 return
             self._preempt(self._last_running())
 
@@ -327,6 +425,7 @@ class Engine:
                 continue
             if req in self.prefilling:
                 self.prefilling.remove(req)
+            self._register(req, req.target)
             self._gen_other -= req.generated
             req.generated += 1
             self.generation_tokens_total += 1
@@ -334,7 +433,7 @@ class Engine:
             if first:
                 req.first_token_at = now
             if req.generated >= req.max_tokens:
-                self.used_blocks -= _blocks(req.target, self._bs)
+                self._free(req, _blocks(req.target, self._bs), req.target)
                 self._end(req, FINISHED, now, first_token=first)
                 continue
             self._enter_decode(req)
@@ -370,7 +469,8 @@ class Engine:
         self._phase[(req.c0 - req.start) % self._bs] -= 1
         req.epoch += 1
         self._streams.pop(req.rid, None)
-        self.used_blocks -= _blocks(req.prompt_tokens + req.generated - 1, self._bs)
+        computed = req.prompt_tokens + req.generated - 1  # the last token's KV is never written
+        self._free(req, _blocks(computed, self._bs), computed)
 
     def _preempt(self, req: SimRequest) -> None:
         """Recompute preemption: free the request's blocks and put it back at the front of the queue."""
@@ -386,8 +486,9 @@ class Engine:
         if req.state == DECODE:
             self._leave_decode(req)
         else:
-            self.used_blocks -= _blocks(req.prefilled, self._bs) if self.config.chunked_prefill else \
-                _blocks(req.target, self._bs)
+            chunked = self.config.chunked_prefill
+            self._free(req, _blocks(req.prefilled if chunked else req.target, self._bs),
+                       req.prefilled if chunked else 0)
             self._gen_other -= req.generated
             if req in self.prefilling:
                 self.prefilling.remove(req)

@@ -9,29 +9,39 @@ the first token and counts the output down as tokens stream back. Here every req
 reported to its lease in one call when it ends; while it runs, the tokens it has streamed so far (an O(1)
 aggregate per engine) are taken off its replica's count around each `pick`, so the policy sees exactly what a
 gateway relaying every SSE chunk would see at that instant, without a Python call per token.
+
+Replicas are configured as `deploy` configures them from a plan: their batch cap (`max_num_seqs`) and their speed
+(`speed_of`: what a profile of one replica alone measures), which `estimated_ttft` and `prefix_affinity` use.
+Multi-turn chats (`run_conversations`) send each turn when the previous reply has ended plus a think time, with
+the key and history a chat request gives the gateway, and the engines' prefix caches on.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
+from gateway.affinity import PREFIX_BYTES
 from gateway.config import QueueConfig, ReplicaConfig
 from gateway.errors import GatewayError
 from gateway.parsing import RequestInfo
 from gateway.policies import Policy, make_policy
 from gateway.replicas import Lease, Replica
 from gateway.router import Router
+from gateway.speed import Speed
+from gateway.tokens import BYTES_PER_TOKEN
 
 from .clock import LoopClock, VirtualClock
 from .engine import Engine, SimRequest
 from .node import Node, NodeSpec
 from .vloop import VirtualTimeLoop
-from .workload import RequestSpec, poisson_arrivals, sharegpt_like
+from .workload import Conversation, RequestSpec, poisson_arrivals, sharegpt_like
 
 MODEL = "sim-model"
 
@@ -47,6 +57,14 @@ class Record:
     first_token: float | None = None
     finished: float | None = None
     rejected: bool = False
+    prefix: int = 0  # the affinity key the gateway would derive (0: none)
+    prefix_tokens: int = 0  # prompt tokens an earlier turn left in its replica's cache
+    blocks: Sequence[int] | None = None  # the sequence's block hashes, for the engines' prefix caches
+    cached_tokens: int = 0  # prompt tokens the engine found in its prefix cache
+
+    def info(self) -> RequestInfo:
+        """What the gateway's parser would make of this request."""
+        return RequestInfo(MODEL, self.prompt_tokens, self.output_tokens, True, self.prefix, self.prefix_tokens)
 
 
 @dataclass(frozen=True)
@@ -66,12 +84,14 @@ class Summary:
     duration_s: float
     preemptions: int
     share: tuple[float, ...] = field(default=())  # fraction of requests each replica served
+    hit_rate: float = math.nan  # prefix-cache hits / prompt tokens looked up, over all engines (nan: caching off)
 
     def report(self) -> str:
+        hits = "" if math.isnan(self.hit_rate) else f"; prefix-cache hit rate {self.hit_rate:.1%}"
         return (f"{self.completed}/{self.requests} completed ({self.rejected} rejected) in {self.duration_s:.0f} s "
                 f"simulated: {self.tokens_s:,.0f} tok/s ({self.output_tokens_s:,.0f} output); TTFT p50 "
                 f"{self.ttft_p50 * 1e3:.0f} ms p99 {self.ttft_p99 * 1e3:.0f} ms; e2e p50 {self.e2e_p50:.2f} s "
-                f"p99 {self.e2e_p99:.2f} s; imbalance {self.imbalance:.2f}; preemptions {self.preemptions}")
+                f"p99 {self.e2e_p99:.2f} s; imbalance {self.imbalance:.2f}; preemptions {self.preemptions}{hits}")
 
 
 def pct(values: np.ndarray, q: float) -> float:
@@ -87,10 +107,44 @@ def summarize(records: Sequence[Record], engines: Sequence[Engine], imbalance: f
     span = max(end - start, 1e-9)  # type: ignore[operator]
     out = sum(r.output_tokens for r in done)
     counts = np.bincount([r.replica for r in done], minlength=len(engines))
+    queries = sum(e.prefix_cache_queries for e in engines)
+    hit_rate = sum(e.prefix_cache_hits for e in engines) / queries if queries else math.nan
     return Summary(len(records), len(done), sum(r.rejected for r in records), pct(ttft, 50), pct(ttft, 99),
                    pct(e2e, 50), pct(e2e, 99), (out + sum(r.prompt_tokens for r in done)) / span, out / span,
                    imbalance, span, sum(e.num_preemptions for e in engines),
-                   tuple(float(c) / max(1, len(done)) for c in counts))
+                   tuple(float(c) / max(1, len(done)) for c in counts), hit_rate)
+
+
+def speed_of(spec: NodeSpec, context: int = 512) -> Speed:
+    """What a profile of one replica alone measures: decode step time by batch size (sequences of `context`
+    tokens) and prefill tokens/s (the marginal cost of a full prefill step)."""
+    from .steptime import StepTimeModel
+
+    model = StepTimeModel(spec.model, spec.gpu, spec.cost)
+    batches = sorted({1, 8, 16, 32, 64, 128, 256, spec.max_num_seqs})
+    steps = tuple((b, model.host_s(b) + model.decode_s(b, context)) for b in batches)
+    budget = max(spec.model.max_model_len, 2048)
+    prefill = model.device_s(budget, 1, 0, budget * budget / 2) - model.device_s(1, 1, 0, 0)
+    return Speed(steps, budget / prefill)
+
+
+class Pinned:
+    """The affinity oracle: a key's first request goes where `inner` picks, every later one to the same replica
+    whatever its load (when it has room: under admission caps a full home is passed over)."""
+
+    def __init__(self, inner: Policy) -> None:
+        self._inner = inner
+        self._homes: dict[int, str] = {}
+
+    def pick(self, candidates: Sequence[Replica], info: RequestInfo) -> Replica:
+        url = self._homes.get(info.prefix)
+        for replica in candidates if url else ():
+            if replica.url == url:
+                return replica
+        replica = self._inner.pick(candidates, info)
+        if info.prefix and url is None:
+            self._homes[info.prefix] = replica.url
+        return replica
 
 
 class StreamedTokens:
@@ -114,14 +168,17 @@ class StreamedTokens:
 class Gateway:
     """The gateway's router over a node's engines (replica i is `http://sim-replica-i`)."""
 
-    def __init__(self, node: Node, policy: str, rng: random.Random, max_requests: int | None = None,
+    def __init__(self, node: Node, policy: str | Policy, rng: random.Random, max_requests: int | None = None,
                  queue: QueueConfig | None = None) -> None:
         self.node = node
         self.urls = [f"http://sim-replica-{i}" for i in range(len(node.engines))]
         self.engines = dict(zip(self.urls, node.engines))
         self.index = {url: i for i, url in enumerate(self.urls)}
-        configs = [ReplicaConfig(url=u, max_requests=max_requests) for u in self.urls]
-        self.router = Router(StreamedTokens(make_policy(policy, rng), self.engines), queue or QueueConfig(), configs)
+        speed = speed_of(node.spec)
+        configs = [ReplicaConfig(url=u, max_requests=max_requests, max_num_seqs=node.spec.max_num_seqs, speed=speed)
+                   for u in self.urls]
+        chooser = make_policy(policy, rng) if isinstance(policy, str) else policy
+        self.router = Router(StreamedTokens(chooser, self.engines), queue or QueueConfig(), configs)
         for replica in self.router.replicas.values():
             replica.healthy = True
             replica.models = frozenset({MODEL})
@@ -152,12 +209,14 @@ class Gateway:
 
         def finish(req: SimRequest) -> None:
             record.finished = clock.now()
+            record.cached_tokens = req.cached_tokens
             lease.tokens(req.generated)
             lease.release()
             if on_done is not None and not on_done.done():
                 on_done.set_result(None)
 
-        engine.add(SimRequest(record.prompt_tokens, record.output_tokens, on_first_token=first, on_finish=finish))
+        engine.add(SimRequest(record.prompt_tokens, record.output_tokens, on_first_token=first, on_finish=finish,
+                              blocks=record.blocks))
 
 
 def capacity(spec: NodeSpec, specs: Sequence[RequestSpec]) -> float:
@@ -215,8 +274,7 @@ def run_open_loop(spec: NodeSpec, n: int, load: float, policy: str, seed: int = 
     def arrive(i: int) -> None:
         record = records[i]
         gw.sample_balance()
-        info = RequestInfo(MODEL, record.prompt_tokens, record.output_tokens, True)
-        lease = gw.router.try_acquire(info)
+        lease = gw.router.try_acquire(record.info())
         assert lease is not None, "replicas without caps always have room"
         gw.start(lease, record)
         if i + 1 < len(records):
@@ -227,34 +285,106 @@ def run_open_loop(spec: NodeSpec, n: int, load: float, policy: str, seed: int = 
     return summarize(records, gw.node.engines, gw.imbalance)
 
 
-async def _routed(spec: NodeSpec, records: list[Record], policy: str, seed: int, max_requests: int | None,
-                  queue: QueueConfig | None) -> Summary:
+async def _send(gw: Gateway, record: Record) -> None:
+    """One request through `Router.acquire` (waiting in the admission queue if need be) until it ends."""
+    gw.sample_balance()
+    try:
+        lease = await gw.router.acquire(record.info())
+    except GatewayError:  # 429: the queue is full or the wait too long
+        record.rejected = True
+        return
+    done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    gw.start(lease, record, done)
+    await done
+
+
+async def _routed(spec: NodeSpec, records: list[Record], policy: str | Policy, seed: int,
+                  max_requests: int | None, queue: QueueConfig | None) -> Summary:
     loop = asyncio.get_running_loop()
     gw = Gateway(Node(spec, LoopClock(loop)), policy, random.Random(seed), max_requests, queue)
 
     async def one(record: Record) -> None:
         await asyncio.sleep(record.arrival - loop.time())
-        gw.sample_balance()
-        info = RequestInfo(MODEL, record.prompt_tokens, record.output_tokens, True)
-        try:
-            lease = await gw.router.acquire(info)
-        except GatewayError:  # 429: the queue is full or the wait too long
-            record.rejected = True
-            return
-        done: asyncio.Future[None] = loop.create_future()
-        gw.start(lease, record, done)
-        await done
+        await _send(gw, record)
 
     await asyncio.gather(*(one(r) for r in records))
     return summarize(records, gw.node.engines, gw.imbalance)
 
 
-def run_routed(spec: NodeSpec, specs: Sequence[RequestSpec], arrivals: np.ndarray, policy: str, seed: int = 0,
-               max_requests: int | None = None, queue: QueueConfig | None = None) -> Summary:
-    """Arrivals through the gateway's `Router.acquire` (admission queue included) on a virtual-time loop."""
-    records = [Record(float(t), s.prompt_tokens, s.output_tokens) for t, s in zip(arrivals, specs)]
+def run_routed(spec: NodeSpec, specs: Sequence[RequestSpec], arrivals: np.ndarray, policy: str | Policy,
+               seed: int = 0, max_requests: int | None = None, queue: QueueConfig | None = None,
+               keys: str = "", records_out: list[Record] | None = None) -> Summary:
+    """Arrivals through the gateway's `Router.acquire` (admission queue included) on a virtual-time loop.
+
+    `keys`: give each request its own affinity key, as the gateway does for single-turn requests: "chat" (no
+    history), or "completions" (a prompt longer than the keyed head, `PREFIX_BYTES`, counts that head as
+    expected cached); "" for none. `records_out` gets the per-request records (to pool percentiles over seeds).
+    """
+    rng = random.Random(seed)
+    head = PREFIX_BYTES // BYTES_PER_TOKEN if keys == "completions" else 0
+    records = [Record(float(t), s.prompt_tokens, s.output_tokens, prefix=rng.getrandbits(64) | 1 if keys else 0,
+                      prefix_tokens=head if s.prompt_tokens > head else 0)
+               for t, s in zip(arrivals, specs)]
+    if records_out is not None:
+        records_out.extend(records)
+    return _on_virtual_loop(_routed(spec, records, policy, seed, max_requests, queue))
+
+
+def _on_virtual_loop(main: Any) -> Summary:
     loop = VirtualTimeLoop()
     try:
-        return loop.run_until_complete(_routed(spec, records, policy, seed, max_requests, queue))
+        return loop.run_until_complete(main)  # type: ignore[no-any-return]
     finally:
         loop.close()
+
+
+def conversation_records(conv: Conversation, block_size: int = 16) -> list[Record]:
+    """One record per turn: the prompt (system, history, new message), the key and history a chat request gives
+    the gateway, and the block hashes of the prompt and its reply (a prefix of the whole conversation's)."""
+    hashes = conv.block_hashes(block_size)
+    key = hash((1, conv.cid)) & ((1 << 64) - 1) | 1
+    out = []
+    for i, turn in enumerate(conv.turns):
+        prompt = conv.prompt_tokens(i)
+        out.append(Record(math.nan, prompt, turn.output_tokens, prefix=key, prefix_tokens=conv.history_tokens(i),
+                          blocks=hashes[:(prompt + turn.output_tokens) // block_size]))
+    return out
+
+
+async def _conversations(spec: NodeSpec, convs: Sequence[Conversation], policy: str | Policy, seed: int,
+                         max_requests: int | None, queue: QueueConfig | None) -> tuple[Summary, list[Record]]:
+    loop = asyncio.get_running_loop()
+    node = Node(spec, LoopClock(loop))
+    gw = Gateway(node, policy, random.Random(seed), max_requests, queue)
+    records: list[Record] = []
+
+    async def chat(conv: Conversation) -> None:
+        due = conv.start
+        for turn, record in zip(conv.turns, conversation_records(conv, node.engine_config.block_size)):
+            due += turn.think_s
+            await asyncio.sleep(due - loop.time())
+            record.arrival = loop.time()
+            records.append(record)
+            await _send(gw, record)
+            if record.finished is None:
+                return  # rejected: the user gives up on this chat
+            due = record.finished
+
+    await asyncio.gather(*(chat(c) for c in convs))
+    return summarize(records, node.engines, gw.imbalance), records
+
+
+def run_conversations(spec: NodeSpec, convs: Sequence[Conversation], policy: str | Policy, seed: int = 0,
+                      max_requests: int | None = None, queue: QueueConfig | None = None,
+                      records_out: list[Record] | None = None) -> Summary:
+    """Multi-turn chats through the gateway's router: each turn sent `think_s` after the previous reply ended."""
+    if not spec.prefix_caching:
+        raise ValueError("multi-turn runs need the engines' prefix caching (NodeSpec.prefix_caching)")
+    loop = VirtualTimeLoop()
+    try:
+        summary, records = loop.run_until_complete(_conversations(spec, convs, policy, seed, max_requests, queue))
+    finally:
+        loop.close()
+    if records_out is not None:
+        records_out.extend(records)
+    return summary

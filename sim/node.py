@@ -25,6 +25,7 @@ class NodeSpec:
     max_num_batched_tokens: int | None = None  # default: vLLM V0's max(max_model_len, 2048); 8192 chunked
     chunked_prefill: bool = False
     cost: StepCost = StepCost()
+    prefix_caching: bool = False  # vLLM's automatic prefix caching (requests need block hashes to use it)
 
     def engine_config(self) -> EngineConfig:
         util = self.utilization if self.utilization is not None else 0.9 / self.replicas
@@ -32,7 +33,8 @@ class NodeSpec:
         return EngineConfig(num_gpu_blocks=num_gpu_blocks(self.model, self.gpu, util, self.max_num_seqs),
                             max_num_seqs=self.max_num_seqs,
                             max_num_batched_tokens=self.max_num_batched_tokens or default_tokens,
-                            max_model_len=self.model.max_model_len, chunked_prefill=self.chunked_prefill)
+                            max_model_len=self.model.max_model_len, chunked_prefill=self.chunked_prefill,
+                            enable_prefix_caching=self.prefix_caching)
 
 
 class Node:
