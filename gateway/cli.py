@@ -10,7 +10,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from .config import POLICY_NAMES, ConfigError, GatewayConfig, from_mapping, load_yaml
+from .config import DEFAULT_POLICY, POLICY_NAMES, ConfigError, GatewayConfig, from_mapping, load_yaml
 from .limits import raise_fd_limit
 from .tokens import check_sources
 
@@ -28,7 +28,7 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--config", metavar="FILE", help="YAML config file (flags override it)")
     serve.add_argument("--host", help="address to listen on (default 0.0.0.0)")
     serve.add_argument("--port", type=int, help="port to listen on (default 8000)")
-    serve.add_argument("--policy", choices=POLICY_NAMES, help="routing policy (default least_outstanding_tokens)")
+    serve.add_argument("--policy", choices=POLICY_NAMES, help=f"routing policy (default {DEFAULT_POLICY})")
     serve.add_argument("--default-max-tokens", type=int, help="output budget for requests that name none")
     serve.add_argument("--queue-size", type=int, help="admission queue bound (0: no queue)")
     serve.add_argument("--api-key", action="append", metavar="KEY", help="accept this client key (repeatable)")

@@ -4,10 +4,12 @@ YAML (every key optional; flags given on the command line win over the file):
 
     host: 0.0.0.0
     port: 8000
-    policy: least_outstanding_tokens      # round_robin | random | least_requests | power_of_two
+    policy: prefix_affinity               # estimated_ttft | least_outstanding_tokens | round_robin | random |
+                                          # least_requests | power_of_two
     replicas:                             # plain URLs or mappings
       - http://127.0.0.1:8001
-      - {url: http://127.0.0.1:8002, weight: 2.0, max_requests: 256, max_outstanding_tokens: 200000}
+      - {url: http://127.0.0.1:8002, weight: 2.0, max_requests: 256, max_outstanding_tokens: 200000,
+         max_num_seqs: 256, speed: {step_s: {1: 0.004, 256: 0.031}, prefill_tokens_s: 200000}}
     discovery:                            # DNS names re-resolved on an interval (e.g. a headless Service)
       - {name: vllm.default.svc.cluster.local, port: 8000, scheme: http, interval_s: 10}
     default_max_tokens: 256               # output budget when a request names none
@@ -41,7 +43,11 @@ from urllib.parse import urlsplit
 
 import yaml
 
-POLICY_NAMES = ("least_outstanding_tokens", "round_robin", "random", "least_requests", "power_of_two")
+from .speed import Speed, SpeedError
+
+POLICY_NAMES = ("prefix_affinity", "estimated_ttft", "least_outstanding_tokens", "round_robin", "random",
+                "least_requests", "power_of_two")
+DEFAULT_POLICY = POLICY_NAMES[0]
 
 
 class ConfigError(ValueError):
@@ -65,17 +71,25 @@ def _check_url(url: object) -> str:
 
 @dataclass(frozen=True)
 class ReplicaConfig:
-    """One replica: where it is, its relative capacity, and its admission caps (None: uncapped)."""
+    """One replica: where it is, its relative capacity, its admission caps (None: uncapped), its vLLM batch cap
+    (None: read from its metrics, else its max_requests) and its measured speed (None: the defaults)."""
 
     url: str
     weight: float = 1.0
     max_requests: int | None = None
     max_outstanding_tokens: int | None = None
+    max_num_seqs: int | None = None
+    speed: Speed | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "url", _check_url(self.url))
         _positive(f"replica {self.url!r} weight", self.weight)
-        for name in ("max_requests", "max_outstanding_tokens"):
+        if self.speed is not None and not isinstance(self.speed, Speed):
+            try:
+                object.__setattr__(self, "speed", Speed.from_mapping(self.speed, f"replica {self.url!r} speed"))
+            except SpeedError as exc:
+                raise ConfigError(str(exc)) from None
+        for name in ("max_requests", "max_outstanding_tokens", "max_num_seqs"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
                 raise ConfigError(f"replica {self.url!r} {name} must be a positive integer, got {value!r}")
@@ -92,6 +106,7 @@ class DiscoveryConfig:
     weight: float = 1.0
     max_requests: int | None = None
     max_outstanding_tokens: int | None = None
+    max_num_seqs: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -218,7 +233,7 @@ class GatewayConfig:
     discovery: tuple[DiscoveryConfig, ...] = ()
     host: str = "0.0.0.0"
     port: int = 8000
-    policy: str = "least_outstanding_tokens"
+    policy: str = DEFAULT_POLICY
     default_max_tokens: int = 256
     tokenizers: tuple[tuple[str, str], ...] = ()
     timeouts: Timeouts = field(default_factory=Timeouts)
@@ -315,6 +330,8 @@ def to_mapping(config: GatewayConfig) -> dict[str, Any]:
     data["tokenizers"] = dict(config.tokenizers)
     for key in ("replicas", "discovery", "api_keys"):
         data[key] = list(data[key])
+    for item, replica in zip(data["replicas"], config.replicas):
+        item["speed"] = replica.speed.to_mapping() if replica.speed else None
     return data
 
 

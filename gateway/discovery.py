@@ -69,7 +69,8 @@ class DnsDiscovery:
         for url in sorted(found - self.urls):
             logger.info("discovered replica %s from %s", url, c.name)
             self._router.add(ReplicaConfig(url=url, weight=c.weight, max_requests=c.max_requests,
-                                           max_outstanding_tokens=c.max_outstanding_tokens))
+                                           max_outstanding_tokens=c.max_outstanding_tokens,
+                                           max_num_seqs=c.max_num_seqs))
         for url in sorted(self.urls - found):
             logger.info("replica %s left %s", url, c.name)
             self._router.remove(url)

@@ -2,12 +2,17 @@
 
 The control plane probes (once for all workers) and publishes the results through the `ReplicaSet`; a worker
 that sees a replica fail a request ejects it (`eject`) for every worker until its next good probe.
+
+A replica whose batch cap (max_num_seqs) the config does not give gets it from its `/metrics`, when the
+`vllm:cache_config_info` labels carry it (`sim serve` does; vLLM 0.32's carry the cache config only, so with
+vLLM the plan or config gives it, or the admission cap `max_requests` stands in for it).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import re
 
 import aiohttp
 
@@ -19,6 +24,7 @@ from .replicaset import Entry, ReplicaSet
 logger = logging.getLogger(__name__)
 
 MODELS_EVERY = 10  # refresh a healthy replica's model list every this many probes
+_MAX_NUM_SEQS = re.compile(r'^vllm:cache_config_info\{[^}\n]*\bmax_num_seqs="(\d+)"', re.M)
 
 
 class HealthChecker:
@@ -50,6 +56,8 @@ class HealthChecker:
                 ok = resp.status == 200
             if ok and (refresh_models or not entry.healthy or not entry.cards):
                 cards = await self._models(entry, timeout)
+                if entry.config.max_num_seqs is None and entry.batch_cap is None:
+                    self._replicas.set_batch_cap(entry, await self._batch_cap(entry, timeout))
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
             if isinstance(exc, OSError) and exc.errno in OUT_OF_DESCRIPTORS:
                 # The gateway is out of file descriptors, which says nothing about the replica: keep its state.
@@ -58,6 +66,20 @@ class HealthChecker:
             ok = False
             logger.debug("probe of %s failed: %r", entry.url, exc)
         self._replicas.set_health(entry, ok, cards)
+
+    async def _batch_cap(self, entry: Entry, timeout: aiohttp.ClientTimeout) -> int | None:
+        """max_num_seqs from the replica's /metrics when it exports it; None otherwise (never a failed probe)."""
+        try:
+            async with self._session.get(f"{entry.url}/metrics", timeout=timeout, headers=self._headers) as resp:
+                text = await resp.text() if resp.status == 200 else ""
+        except (aiohttp.ClientError, TimeoutError, UnicodeDecodeError) as exc:
+            logger.debug("no metrics from %s: %r", entry.url, exc)
+            return None
+        match = _MAX_NUM_SEQS.search(text)
+        if match:
+            logger.info("replica %s runs batches of up to %s (max_num_seqs, from its metrics)", entry.url,
+                        match.group(1))
+        return int(match.group(1)) if match else None
 
     async def _models(self, entry: Entry, timeout: aiohttp.ClientTimeout) -> dict[str, dict[str, object]]:
         async with self._session.get(f"{entry.url}/v1/models", timeout=timeout, headers=self._headers) as resp:

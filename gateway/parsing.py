@@ -9,8 +9,9 @@ from typing import Any
 
 import msgspec
 
+from .affinity import completion_key, explicit_key, key_hash
 from .errors import GatewayError, bad_request
-from .tokens import CHAT_TOKENS_PER_MESSAGE, Count, TokenCounter
+from .tokens import BYTES_PER_TOKEN, CHAT_TOKENS_PER_MESSAGE, Count, TokenCounter
 
 
 @dataclass(frozen=True)
@@ -21,6 +22,8 @@ class RequestInfo:
     prompt_tokens: int
     max_tokens: int  # the whole output budget: per-choice max_tokens times n
     stream: bool
+    prefix: int = 0  # the prompt prefix's affinity key (gateway/affinity.py); 0: none
+    prefix_tokens: int = 0  # prompt tokens earlier requests with this key are expected to have left cached
 
 
 def load_json(raw: bytes) -> dict[str, Any]:
@@ -92,19 +95,37 @@ def _text_tokens(prompt: Any, count: Count, param: str) -> int:
 
 def chat_tokens(messages: Any, count: Callable[[str], int]) -> int:
     """Tokens in chat messages: their text (plain or content parts) plus what a chat template adds per message."""
+    return chat_prompt(messages, count)[0]
+
+
+def chat_prompt(messages: Any, count: Callable[[str], int]) -> tuple[int, int, int]:
+    """Chat messages' tokens, affinity key and history tokens (see gateway/affinity.py)."""
     if not isinstance(messages, list) or not messages:
         raise bad_request("'messages' must be a non-empty list", "messages")
-    total = 0
+    total = system = tokens = key = 0
+    opening = True  # still in the system prompt and the opening message: they make the key
     for message in messages:
         if not isinstance(message, dict):
             raise bad_request("each message must be an object with 'role' and 'content'", "messages")
         content = message.get("content")
+        tokens = CHAT_TOKENS_PER_MESSAGE
         if isinstance(content, str):
-            total += count(content)
+            tokens += count(content)
         elif isinstance(content, list):  # content parts: count the text ones
-            total += sum(count(p["text"]) for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
-        total += CHAT_TOKENS_PER_MESSAGE
-    return total
+            parts = [p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)]
+            tokens += sum(count(text) for text in parts)
+            content = "".join(parts)
+        total += tokens
+        if opening:
+            role = message.get("role")
+            key = key_hash(f"{role}\x00{content if isinstance(content, str) else ''}\x00".encode(), key)
+            if role == "user":
+                opening = False
+            else:
+                system += tokens
+    if opening:
+        return total, 0, 0  # no user message: nothing to key a conversation by
+    return total, key, total - system - tokens  # history: the opening message and what followed, not the new one
 
 
 def parse(raw: bytes, endpoint: str, counter: TokenCounter, default_max_tokens: int,
@@ -125,7 +146,7 @@ def parse(raw: bytes, endpoint: str, counter: TokenCounter, default_max_tokens: 
     stream = _stream(body)
     n = _int_field(body, "n", 1) or 1
     if endpoint == "chat":
-        prompt_tokens = chat_tokens(body.get("messages"), count)
+        prompt_tokens, prefix, cached = chat_prompt(body.get("messages"), count)
         per_choice = _int_field(body, "max_completion_tokens", 0)
         if per_choice is None:
             per_choice = _int_field(body, "max_tokens", 0)
@@ -134,8 +155,11 @@ def parse(raw: bytes, endpoint: str, counter: TokenCounter, default_max_tokens: 
             raise bad_request("you must provide a prompt parameter", "prompt")
         prompt_tokens = _text_tokens(body["prompt"], count, "prompt")
         per_choice = _int_field(body, "max_tokens", 0)
+        prefix, covered = completion_key(body["prompt"])
+        cached = min(prompt_tokens, covered // BYTES_PER_TOKEN)
     budget = default_max_tokens if per_choice is None else per_choice
-    return RequestInfo(model, prompt_tokens, budget * n, stream)
+    prefix = explicit_key(body) or prefix
+    return RequestInfo(model, prompt_tokens, budget * n, stream, prefix, cached)
 
 
 def other_info(raw: bytes) -> RequestInfo:

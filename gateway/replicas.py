@@ -2,12 +2,13 @@
 
 A request's cost is its prompt tokens plus its output budget. The lease adds the cost to its replica when
 taken, releases the prompt part at the first token, counts the output part down as tokens stream back, and
-releases whatever remains when the request ends, fails or is cancelled: exactly once.
+releases whatever remains when the request ends, fails or is cancelled: exactly once. The prompt part is also
+counted on its own (`prefill`: prompt tokens not yet started), the prefill backlog `estimated_ttft` needs.
 
 With several worker processes (gateway/table.py) a replica's counters are columns of the shared load table:
 a lease writes this process's own cells (`Replica.own`), and `Replica.refresh()`, called for every candidate of
 a pick, sums each column over every worker's row into the plain attributes policies read (`outstanding`,
-`inflight`). A replica not bound to a table (one process, a simulation, a test) keeps plain numbers only.
+`inflight`, `prefill`). A replica not bound to a table (one process, a simulation, a test) keeps plain numbers only.
 """
 
 from __future__ import annotations
@@ -16,14 +17,16 @@ from collections.abc import Callable
 
 from .config import ReplicaConfig
 from .parsing import RequestInfo
-from .table import COLUMNS, INFLIGHT, OUTSTANDING, R_EJECTIONS, S_HEALTH_GEN, LoadTable
+from .speed import DEFAULT_SPEED
+from .table import COLUMNS, INFLIGHT, OUTSTANDING, PREFILL, R_EJECTIONS, S_HEALTH_GEN, LoadTable
 
 
 class Replica:
     """One upstream vLLM server and its live load. Mutated only on the event loop."""
 
     __slots__ = ("url", "weight", "max_requests", "max_outstanding_tokens", "healthy", "models",
-                 "outstanding", "inflight", "cards", "draining", "own", "_columns", "_table", "_row", "_slot")
+                 "outstanding", "inflight", "cards", "draining", "own", "_columns", "_table", "_row", "_slot",
+                 "prefill", "max_num_seqs", "speed")
 
     def __init__(self, config: ReplicaConfig) -> None:
         self.url = config.url
@@ -36,6 +39,9 @@ class Replica:
         self.cards: dict[str, dict[str, object]] = {}  # the replica's /v1/models entries, by model id
         self.outstanding = 0  # gateway-wide, as of the last refresh, plus this process's changes since
         self.inflight = 0
+        self.prefill = 0  # prompt tokens of requests that have no first token yet (part of `outstanding`)
+        self.max_num_seqs = config.max_num_seqs  # vLLM's batch cap: configured, or read from its /metrics
+        self.speed = config.speed or DEFAULT_SPEED
         self.own: list[int] | memoryview[int] = [0] * len(COLUMNS)  # this process's cells: the only ones it writes
         self._columns: tuple[tuple[str, memoryview], ...] = ()
         self._table: LoadTable | None = None
@@ -105,9 +111,11 @@ class Lease:
         cost = self._prompt + self._output
         replica.outstanding += cost
         replica.inflight += 1
+        replica.prefill += self._prompt
         own = replica.own
         own[OUTSTANDING] += cost
         own[INFLIGHT] += 1
+        own[PREFILL] += self._prompt
 
     @property
     def outstanding(self) -> int:
@@ -118,7 +126,10 @@ class Lease:
         if self._prompt and not self._done:
             replica = self.replica
             replica.outstanding -= self._prompt
-            replica.own[OUTSTANDING] -= self._prompt
+            replica.prefill -= self._prompt
+            own = replica.own
+            own[OUTSTANDING] -= self._prompt
+            own[PREFILL] -= self._prompt
             self._prompt = 0
             if replica.max_outstanding_tokens is not None:
                 self._on_release()  # only a token cap can admit a queued request now
@@ -145,8 +156,10 @@ class Lease:
         rest = self._prompt + self._output
         replica.outstanding -= rest
         replica.inflight -= 1
+        replica.prefill -= self._prompt
         own = replica.own
         own[OUTSTANDING] -= rest
         own[INFLIGHT] -= 1
+        own[PREFILL] -= self._prompt
         self._prompt = self._output = 0
         self._on_release()

@@ -51,6 +51,7 @@ class Entry:
     healthy: bool = False
     draining: bool = False
     cards: dict[str, dict[str, object]] = field(default_factory=dict)
+    batch_cap: int | None = None  # max_num_seqs read from the replica's metrics (when the config gives none)
 
     @property
     def url(self) -> str:
@@ -128,6 +129,12 @@ class ReplicaSet:
             table.touch()
             self._changed()
 
+    def set_batch_cap(self, entry: Entry, cap: int | None) -> None:
+        """The replica's max_num_seqs as its metrics give it (None: they do not)."""
+        if cap is not None and cap != entry.batch_cap and self.replicas.get(entry.url) is entry:
+            entry.batch_cap = cap
+            self.publish()
+
     def reap(self) -> None:
         """Free the slots no worker counts on any more; remove drained replicas whose requests are done."""
         for slot in [s for s in self._retired if self._idle(s)]:
@@ -155,7 +162,9 @@ class ReplicaSet:
         """Write the set for the workers to follow."""
         entries = [{"slot": e.slot, "url": e.url, "weight": e.config.weight, "max_requests": e.config.max_requests,
                     "max_outstanding_tokens": e.config.max_outstanding_tokens, "draining": e.draining,
-                    "cards": e.cards} for e in self.replicas.values()]
+                    "cards": e.cards, "max_num_seqs": e.config.max_num_seqs or e.batch_cap,
+                    "speed": e.config.speed.to_mapping() if e.config.speed else None}
+                   for e in self.replicas.values()]
         self.table.write_blob(json.dumps(entries).encode())
         self._changed()
 
@@ -214,7 +223,8 @@ class Follower:
 
     def _replica(self, item: dict[str, Any], rebind: bool) -> Replica:
         config = ReplicaConfig(url=item["url"], weight=item["weight"], max_requests=item["max_requests"],
-                               max_outstanding_tokens=item["max_outstanding_tokens"])
+                               max_outstanding_tokens=item["max_outstanding_tokens"],
+                               max_num_seqs=item.get("max_num_seqs"), speed=item.get("speed"))
         replica = self._router.replicas.get(config.url)
         if replica is None or replica.slot != item["slot"]:
             replica = self._router.replicas[config.url] = Replica(config)
@@ -223,6 +233,9 @@ class Follower:
             replica.bind(self._table, self._row, item["slot"], self._hi)
         replica.weight, replica.max_requests = config.weight, config.max_requests
         replica.max_outstanding_tokens = config.max_outstanding_tokens
+        replica.max_num_seqs = config.max_num_seqs
+        if config.speed is not None and config.speed != replica.speed:
+            replica.speed = config.speed
         replica.draining = bool(item["draining"])
         replica.cards = item["cards"]
         replica.models = frozenset(replica.cards)

@@ -28,8 +28,8 @@ import os
 import tempfile
 import time
 
-COLUMNS = ("outstanding", "inflight")  # a counter per replica: add its name here and a `Replica` attribute of it
-OUTSTANDING, INFLIGHT = 0, 1
+COLUMNS = ("outstanding", "inflight", "prefill")  # a counter per replica: its name here, a `Replica` attribute
+OUTSTANDING, INFLIGHT, PREFILL = 0, 1, 2
 
 SLOTS = 512
 HEADER_CELLS = 16

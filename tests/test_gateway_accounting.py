@@ -61,11 +61,12 @@ def test_counters_never_negative_and_return_to_zero(events: list[tuple[int, str,
             lease.release()
         for replica in r.replicas.values():
             assert replica.outstanding >= 0 and replica.inflight >= 0
+            assert 0 <= replica.prefill <= replica.outstanding  # the prefill backlog is part of the tokens
         assert sum(x.outstanding for x in r.replicas.values()) == sum(x.outstanding for x in leases.values())
     for lease in leases.values():
         lease.release()
         lease.release()  # exactly once, however often it is called
-    assert all(x.outstanding == 0 and x.inflight == 0 for x in r.replicas.values())
+    assert all(x.outstanding == 0 and x.inflight == 0 and x.prefill == 0 for x in r.replicas.values())
 
 
 def test_lease_counts_prompt_then_output_down() -> None:
@@ -73,9 +74,9 @@ def test_lease_counts_prompt_then_output_down() -> None:
     r = router(n=1)
     replica = next(iter(r.replicas.values()))
     lease = r.try_acquire(info(prompt=100, output=50))
-    assert lease is not None and replica.outstanding == 150 and replica.inflight == 1
+    assert lease is not None and replica.outstanding == 150 and replica.inflight == 1 and replica.prefill == 100
     lease.first_token()
-    assert replica.outstanding == 50
+    assert replica.outstanding == 50 and replica.prefill == 0
     lease.tokens(20)
     assert replica.outstanding == 30
     lease.tokens(1000)  # never below the budget

@@ -50,6 +50,12 @@ api_keys: [k1]
     ({"replicas": ["http://a:1"], "port": 70000}, "port"),
     ({"discovery": [{"name": "x", "port": 0}]}, "port"),
     ({}, "no replicas"),
+    ({"replicas": [{"url": "http://a:1", "max_num_seqs": 0}]}, "max_num_seqs"),
+    ({"replicas": [{"url": "http://a:1", "speed": {"step_s": {1: -0.01}}}]}, "speed.step_s seconds"),
+    ({"replicas": [{"url": "http://a:1", "speed": {"step_s": {"one": 0.01}}}]}, "batch size 'one'"),
+    ({"replicas": [{"url": "http://a:1", "speed": {"prefill_tokens_s": 0}}]}, "prefill_tokens_s"),
+    ({"replicas": [{"url": "http://a:1", "speed": {"fast": True}}]}, "fast"),
+    ({"replicas": [{"url": "http://a:1", "speed": [1, 2]}]}, "speed must be a mapping"),
 ])
 def test_bad_values_are_named(data: dict[str, object], named: str) -> None:
     """Each bad value is refused with a message naming it."""
@@ -89,7 +95,23 @@ def test_the_config_survives_the_trip_to_a_worker() -> None:
     """The supervisor hands its workers the config as plain data: it reads back equal."""
     from gateway.config import to_mapping
 
-    config = from_mapping({"replicas": ["http://a:1", {"url": "http://b:2", "weight": 2.0, "max_requests": 4}],
+    config = from_mapping({"replicas": ["http://a:1", {"url": "http://b:2", "weight": 2.0, "max_requests": 4,
+                                                       "max_num_seqs": 8, "speed": {"step_s": {1: 0.01, 8: 0.02}}}],
                            "discovery": [{"name": "vllm.svc", "port": 8000}], "tokenizers": {"m": "/t"},
                            "api_keys": ["k"], "workers": 2, "feedback": {"enabled": True}})
     assert from_mapping(json.loads(json.dumps(to_mapping(config)))) == config
+
+
+def test_batch_cap_and_speed_per_replica_and_the_default_policy() -> None:
+    """max_num_seqs and a measured speed (batch sizes as YAML writes them) reach the replica; the default policy is
+    prefix_affinity."""
+    config = from_mapping({"replicas": [{"url": "http://a:1", "max_num_seqs": 64,
+                                         "speed": {"step_s": {"1": 0.004, 64: 0.012}, "prefill_tokens_s": 1e5}}],
+                           "discovery": [{"name": "x", "max_num_seqs": 32}]})
+    replica = config.replicas[0]
+    assert replica.max_num_seqs == 64 and replica.speed is not None
+    assert replica.speed.step(1) == 0.004 and replica.speed.step(64) == 0.012
+    assert replica.speed.step(32) == pytest.approx(0.004 + 0.008 * 31 / 63)
+    assert replica.speed.step(128) == pytest.approx(0.012 + 0.008 / 63 * 64)  # past the last point: its slope
+    assert config.discovery[0].max_num_seqs == 32
+    assert config.policy == "prefix_affinity"
