@@ -16,6 +16,8 @@ from collections.abc import Sequence
 
 from aiohttp import web
 
+from gateway.config import DEFAULT_POLICY, POLICY_NAMES
+
 from .clock import LoopClock
 from .config import ServeConfig
 from .gpus import GpuSpec, get_gpu, parse_gpu_spec
@@ -42,6 +44,8 @@ def _add_node_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, help="token budget per step (vLLM's default)")
     p.add_argument("--gpu-memory-utilization", type=float, help="memory fraction per replica (0.9/replicas)")
     p.add_argument("--enable-chunked-prefill", action="store_true", help="V1-style chunked prefill scheduling")
+    p.add_argument("--enable-prefix-caching", action="store_true",
+                   help="automatic prefix caching (16-token blocks of the prompt text, LRU eviction)")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -60,8 +64,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_node_flags(run)
     run.add_argument("--requests", type=int, default=100_000)
     run.add_argument("--load", type=float, default=0.8, help="arrival rate as a fraction of capacity (0.8)")
-    run.add_argument("--policy", default="least_outstanding_tokens",
-                     choices=("least_outstanding_tokens", "round_robin", "random", "least_requests", "power_of_two"))
+    run.add_argument("--policy", default=DEFAULT_POLICY, choices=POLICY_NAMES)
     run.add_argument("--seed", type=int, default=0)
     return parser
 
@@ -77,7 +80,8 @@ def node_spec(args: argparse.Namespace) -> NodeSpec:
     try:
         model = load_model(args.model)
         spec = NodeSpec(model, _gpu(args), args.replicas, args.max_num_seqs, args.gpu_memory_utilization,
-                        args.max_num_batched_tokens, args.enable_chunked_prefill, StepCost())
+                        args.max_num_batched_tokens, args.enable_chunked_prefill, StepCost(),
+                        args.enable_prefix_caching)
         spec.engine_config()  # sizes the KV cache: fails here, with the reason, when the model does not fit
     except ValueError as exc:
         raise UsageError(str(exc)) from None
@@ -89,14 +93,15 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
     try:
         return ServeConfig(spec.model, spec.gpu, args.replicas, args.port, args.host, args.served_model_name,
                            args.max_num_seqs, args.max_num_batched_tokens, args.gpu_memory_utilization,
-                           args.enable_chunked_prefill, spec.cost, args.seed, args.log_level)
+                           args.enable_chunked_prefill, spec.cost, args.seed, args.log_level,
+                           args.enable_prefix_caching)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
 
 
 def node_for(config: ServeConfig, clock: LoopClock) -> Node:
     spec = NodeSpec(config.model, config.gpu, config.replicas, config.max_num_seqs, config.utilization,
-                    config.max_num_batched_tokens, config.chunked_prefill, config.cost)
+                    config.max_num_batched_tokens, config.chunked_prefill, config.cost, config.prefix_caching)
     return Node(spec, clock)
 
 

@@ -26,6 +26,7 @@ class ServeConfig:
     cost: StepCost = field(default_factory=StepCost)
     seed: int = 0
     log_level: str = "info"
+    prefix_caching: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.replicas, int) or self.replicas < 1:

@@ -5,6 +5,8 @@ run on the event loop's clock, so tokens come out at the simulated pace: one SSE
 Endpoints: `/health`, `/v1/models`, `/v1/completions`, `/v1/chat/completions`, `/metrics` (vLLM's names).
 
 Prompt tokens are estimated from text (4 bytes per token, as the gateway does) or counted from token-id lists.
+With prefix caching on, a prompt's 16-token blocks are 64-byte blocks of its text (a chat's messages rendered one
+after another), chained, so prompts that share a head share cached blocks.
 A request generates `max_tokens` tokens when it sets `ignore_eos`; otherwise it stops earlier, at a simulated
 end of sequence drawn from a ShareGPT-like output length, with finish_reason "stop".
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections.abc import Sequence
 import math
 import random
 import time
@@ -106,6 +109,7 @@ class Parsed:
 
     kind: str  # "completion" or "chat"
     prompts: list[int]  # prompt tokens per choice group
+    texts: list[bytes]  # each prompt's content (what its prefix-cache blocks are cut from)
     n: int
     max_tokens: int | None
     ignore_eos: bool
@@ -121,6 +125,7 @@ def parse(body: Any, kind: str, model_name: str) -> Parsed:
         raise BadRequest(f"The model `{model}` does not exist.", "model", status=404)
     if kind == "chat":
         prompts = [_chat_tokens(body.get("messages"))]
+        texts = [_rendered(body["messages"])]
         max_tokens = _int(body, "max_completion_tokens", 1)
         if max_tokens is None:
             max_tokens = _int(body, "max_tokens", 1)
@@ -128,6 +133,7 @@ def parse(body: Any, kind: str, model_name: str) -> Parsed:
         if "prompt" not in body:
             raise BadRequest("you must provide a prompt parameter", "prompt")
         prompts = _prompts(body["prompt"])
+        texts = _texts(body["prompt"])
         max_tokens = _int(body, "max_tokens", 1)
         if max_tokens is None:
             max_tokens = 16  # the OpenAI completions default, as vLLM
@@ -136,8 +142,38 @@ def parse(body: Any, kind: str, model_name: str) -> Parsed:
         raise BadRequest("'stream' must be a boolean", "stream")
     options = body.get("stream_options") or {}
     include_usage = bool(isinstance(options, dict) and options.get("include_usage"))
-    return Parsed(kind, prompts, _int(body, "n", 1) or 1, max_tokens, bool(body.get("ignore_eos", False)),
+    return Parsed(kind, prompts, texts, _int(body, "n", 1) or 1, max_tokens, bool(body.get("ignore_eos", False)),
                   stream, include_usage)
+
+
+def _rendered(messages: list[Any]) -> bytes:
+    """A chat's messages one after another, as a chat template lays them out (roles and texts)."""
+    parts = []
+    for m in messages:
+        content = m.get("content")
+        if isinstance(content, list):
+            content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+        parts.append(f"<|{m.get('role')}|>{content if isinstance(content, str) else ''}")
+    return "".join(parts).encode()
+
+
+def _texts(prompt: Any) -> list[bytes]:
+    """The content of each prompt of a completions request (token ids as their decimal text)."""
+    if isinstance(prompt, str):
+        return [prompt.encode()]
+    if all(isinstance(t, int) for t in prompt):
+        return [json.dumps(prompt).encode()]
+    return [p.encode() if isinstance(p, str) else json.dumps(p).encode() for p in prompt]
+
+
+def block_hashes(text: bytes, tokens: int, block_size: int) -> Sequence[int]:
+    """Chained hashes of the prompt's full blocks: `block_size` tokens of 4 bytes each, at most `tokens` tokens."""
+    size = block_size * BYTES_PER_TOKEN
+    hashes, prev = [], 0
+    for start in range(0, min(len(text), tokens * BYTES_PER_TOKEN) - size + 1, size):
+        prev = hash((prev, text[start:start + size]))
+        hashes.append(prev)
+    return hashes
 
 
 class _Choice:
@@ -192,9 +228,11 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
 
 
 def _submit(state: ReplicaState, parsed: Parsed) -> list[_Choice]:
-    limit = state.engine.config.max_model_len
+    config = state.engine.config
+    limit = config.max_model_len
     choices: list[_Choice] = []
-    for prompt in parsed.prompts:
+    for prompt, text in zip(parsed.prompts, parsed.texts):
+        blocks = block_hashes(text, prompt, config.block_size) if config.enable_prefix_caching else None
         budget = parsed.max_tokens if parsed.max_tokens is not None else limit - prompt
         if prompt + budget > limit:
             raise BadRequest(f"This model's maximum context length is {limit} tokens. However, you requested "
@@ -206,7 +244,7 @@ def _submit(state: ReplicaState, parsed: Parsed) -> list[_Choice]:
                 natural = state.natural_length()
                 if natural < budget:
                     out, reason = natural, "stop"
-            choices.append(_Choice(len(choices), SimRequest(prompt, out), reason))
+            choices.append(_Choice(len(choices), SimRequest(prompt, out, blocks=blocks), reason))
     return choices
 
 
@@ -315,7 +353,8 @@ def render_metrics(state: ReplicaState) -> str:
     kv_bytes = cfg.num_gpu_blocks * cfg.block_size * e.steptime.model.kv_bytes_per_token
     info = (f'block_size="{cfg.block_size}",num_gpu_blocks="{cfg.num_gpu_blocks}",'
             f'kv_cache_memory_bytes="{kv_bytes}",max_num_seqs="{cfg.max_num_seqs}",'
-            f'max_num_batched_tokens="{cfg.max_num_batched_tokens}",enable_prefix_caching="False"')
+            f'max_num_batched_tokens="{cfg.max_num_batched_tokens}",'
+            f'enable_prefix_caching="{cfg.enable_prefix_caching}"')
     lines = [
         ("vllm:num_requests_running", "gauge", "Number of requests in model execution batches.", e.num_running),
         ("vllm:num_requests_waiting", "gauge", "Number of requests waiting to be processed.", e.num_waiting),
@@ -326,6 +365,10 @@ def render_metrics(state: ReplicaState) -> str:
         ("vllm:prompt_tokens", "counter", "Number of prefill tokens processed.", e.prompt_tokens_total),
         ("vllm:generation_tokens", "counter", "Number of generation tokens processed.", e.generation_tokens_total),
         ("vllm:request_success", "counter", "Count of successfully processed requests.", e.finished_total),
+        ("vllm:prefix_cache_queries", "counter", "Prefix cache queries, in terms of number of queried tokens.",
+         e.prefix_cache_queries),
+        ("vllm:prefix_cache_hits", "counter", "Prefix cache hits, in terms of number of cached tokens.",
+         e.prefix_cache_hits),
         ("sim:kv_blocks_used", "gauge", "KV blocks in use.", e.used_blocks),
         ("sim:gpu_device_active", "gauge", "Replicas with device work on the shared simulated GPU.",
          e.device.active),
