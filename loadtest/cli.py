@@ -25,6 +25,7 @@ from loadtest.report import RunInfo, summarize
 from loadtest.runner import LOCUSTFILE, RunFailed, locust_command, read_output, run_locust
 from loadtest.schedules import build_schedule, bursts_of
 from loadtest.table import format_table
+from loadtest.chats import build_chats
 from loadtest.workloads import build_workload
 
 logger = logging.getLogger(__name__)
@@ -78,6 +79,8 @@ def run_info(config: LoadConfig, schedule: list[float] | None) -> RunInfo:
     """What the report needs to know about the run besides its records."""
     if schedule is None:
         return RunInfo("closed", config.arrival.duration)
+    if config.workload.kind == "multiturn":  # the schedule starts conversations, not requests
+        return RunInfo("open", config.arrival.duration, conversations=len(schedule))
     return RunInfo("open", config.arrival.duration, scheduled=len(schedule),
                    bursts_s=tuple(bursts_of(config.arrival)), burst_period_s=config.arrival.burst_period)
 
@@ -95,7 +98,8 @@ def report_run(config: LoadConfig, records: list[RequestRecord], out: Path) -> d
 
 def _describe(config: LoadConfig) -> str:
     schedule = schedule_of(config)
-    what = (f"{len(schedule)} requests over {config.arrival.duration:g} s ({config.arrival.kind})"
+    unit = "conversations" if config.workload.kind == "multiturn" else "requests"
+    what = (f"{len(schedule)} {unit} over {config.arrival.duration:g} s ({config.arrival.kind})"
             if schedule is not None else f"closed loop, {config.concurrency} in flight")
     return f"{what} -> {', '.join(config.hosts)}"
 
@@ -169,7 +173,10 @@ def _dispatch(args: argparse.Namespace) -> int:
     out = Path(args.out)
     targets = {"run": split_hosts(args.host)} if args.command == "run" else parse_targets(args.target)
     config = config_from_options(args, next(iter(targets.values())), str(out))
-    build_workload(config.workload)  # a bad dataset fails here, not in the Locust subprocess
+    if config.workload.kind == "multiturn":
+        build_chats(config.workload)  # a bad dataset fails here, not in the Locust subprocess
+    else:
+        build_workload(config.workload)
     if args.command == "run":
         return cmd_run(config, out, args.dry_run)
     return cmd_compare(config, targets, out, args.dry_run)

@@ -60,7 +60,11 @@ class StreamingClient:
 
     def send(self, request: RequestSpec, scheduled_s: float | None) -> RequestRecord:
         """Send one streaming request; never raises for the request's own failures."""
-        target = request.index % len(self._clients)
+        return self.exchange(request, scheduled_s)[0]
+
+    def exchange(self, request: RequestSpec, scheduled_s: float | None) -> tuple[RequestRecord, str]:
+        """Send one streaming request; its record and the reply's text ("" when it failed)."""
+        target = (request.index if request.conversation is None else request.conversation) % len(self._clients)
         body = json.dumps(request_body(self._config.model, self._config.endpoint, request,
                                        self._config.ignore_eos)).encode()
         sent = self.now()
@@ -95,7 +99,8 @@ class StreamingClient:
             output_tokens=result.output_tokens if result else meter.tokens_so_far,
             prompt_tokens=result.prompt_tokens if result else None,
             requested_prompt_tokens=request.prompt_tokens, max_tokens=request.max_tokens,
-        )
+            conversation=request.conversation, turn=request.turn,
+        ), result.text if result else ""
 
 
 def _discard(response: HTTPSocketPoolResponse) -> None:

@@ -99,6 +99,10 @@ def add_arguments(parser: Any) -> None:
     add("--short", default="128:32", help="mix: input:output tokens of a short request")
     add("--long", default="2048:512", help="mix: input:output tokens of a long request")
     add("--long-fraction", default="0.2", help="mix: share of long requests")
+    add("--turns", default="2:8", help="multiturn: turns per conversation, MIN:MAX (uniform)")
+    add("--system-len", default="256", help="multiturn: tokens of the system prompt all conversations share")
+    add("--think-time", default="5.0", help="multiturn: mean seconds from a reply to the next message")
+    add("--max-context", default="2048", help="multiturn: end a conversation before a turn past this many tokens")
     add("--tokenizer", default="", help="the model's tokenizer.json (or its directory): exact prompt lengths")
     add("--prompt-salt", default="0", help="other prompt text with the same lengths and schedule (no prefix-cache "
                                            "hits from an earlier run); compare sets one per target")
@@ -135,13 +139,13 @@ def _pairs(name: str, value: object) -> tuple[tuple[float, float], ...]:
     return tuple(pairs)
 
 
-def _lengths(name: str, value: object) -> tuple[int, int]:
+def _lengths(name: str, value: object, what: str = "input:output token counts, e.g. 128:32") -> tuple[int, int]:
     try:
         pairs = _pairs(name, value)
     except ValueError:
         pairs = ()
     if len(pairs) != 1 or any(x != int(x) for x in pairs[0]):
-        raise ValueError(f"{name} {value!r} is not input:output token counts, e.g. 128:32")
+        raise ValueError(f"{name} {value!r} is not {what}")
     return int(pairs[0][0]), int(pairs[0][1])
 
 
@@ -175,6 +179,9 @@ def config_from_options(opts: Any, hosts: tuple[str, ...], out_dir: str | None) 
         short=_lengths("short", opts.short), long=_lengths("long", opts.long),
         long_fraction=_number("long fraction", opts.long_fraction, float), tokenizer=_text(opts.tokenizer) or None,
         prompt_salt=_number("prompt salt", opts.prompt_salt, int), seed=seed,
+        turns=_lengths("turns", opts.turns, "MIN:MAX turns, e.g. 2:8"), system_len=_number("system len", opts.system_len, int),
+        think_time=_number("think time", opts.think_time, float),
+        max_context=_number("max context", opts.max_context, int),
     )
     return LoadConfig(
         hosts=hosts, model=_text(opts.model), endpoint=_text(opts.endpoint), mode=mode,
@@ -207,6 +214,8 @@ def to_argv(config: LoadConfig) -> list[str]:
         "--sharegpt-output-len": "" if w.sharegpt_output_len is None else str(w.sharegpt_output_len),
         "--short": "%d:%d" % w.short, "--long": "%d:%d" % w.long, "--long-fraction": repr(w.long_fraction),
         "--tokenizer": w.tokenizer or "", "--prompt-salt": str(w.prompt_salt),
+        "--turns": "%d:%d" % w.turns, "--system-len": str(w.system_len), "--think-time": repr(w.think_time),
+        "--max-context": str(w.max_context),
         "--ignore-eos": "true" if config.ignore_eos else "false",
         "--connect-timeout": repr(config.connect_timeout), "--read-timeout": repr(config.read_timeout),
         "--drain-timeout": repr(config.drain_timeout), "--max-connections": str(config.max_connections),
@@ -218,6 +227,8 @@ def config_from_dict(data: dict[str, Any]) -> LoadConfig:
     """The LoadConfig that `dataclasses.asdict` (as in meta.json) turned into `data`."""
     arrival = dict(data["arrival"], steps=tuple(tuple(p) for p in data["arrival"].get("steps", ())))
     workload = dict(data["workload"], short=tuple(data["workload"]["short"]), long=tuple(data["workload"]["long"]))
+    if "turns" in workload:
+        workload["turns"] = tuple(workload["turns"])
     return LoadConfig(**dict(data, hosts=tuple(data["hosts"]), arrival=ArrivalSpec(**arrival),
                              workload=WorkloadSpec(**workload)))
 

@@ -35,6 +35,7 @@ from loadtest.dispatch import DispatchResult, Dispatcher
 from loadtest.records import META_FILE, RECORDS_FILE, RequestRecord, write_records
 from loadtest.schedules import build_schedule
 from loadtest.sse import RequestFailed
+from loadtest.chats import build_chats
 from loadtest.workloads import build_workload
 
 logger = logging.getLogger(__name__)
@@ -125,17 +126,8 @@ def _run(config: LoadConfig, request_event: Any) -> None:
     result: DispatchResult | None = None
     dispatcher = Dispatcher(client, LocustReporter(request_event, config, records), config.drain_timeout)
     try:
-        workload = build_workload(config.workload)
-        if config.mode == "open":
-            times = build_schedule(config.arrival)
-            logger.info("open loop: %d requests over %.0f s to %s", len(times), config.arrival.duration,
-                        ", ".join(config.hosts))
-            result = dispatcher.open_loop(workload, times.tolist())
-        else:
-            logger.info("closed loop: %d in flight to %s", config.concurrency, ", ".join(config.hosts))
-            result = dispatcher.closed_loop(workload, config.concurrency, config.num_requests,
-                                            config.arrival.duration)
-        logger.info("load done: %d sent, at most %d in flight", result.sent, result.max_in_flight)
+        result = _run_chats(config, dispatcher) if config.workload.kind == "multiturn" else \
+            _run_requests(config, dispatcher)
     finally:
         dispatcher.stop()  # a test stopped from the web UI leaves requests in flight
         client.close()
@@ -143,6 +135,34 @@ def _run(config: LoadConfig, request_event: Any) -> None:
             records.close()
         if out is not None:
             _write_meta(out / META_FILE, config, started, result)
+
+
+def _run_requests(config: LoadConfig, dispatcher: Dispatcher) -> DispatchResult:
+    workload = build_workload(config.workload)
+    if config.mode == "open":
+        times = build_schedule(config.arrival)
+        logger.info("open loop: %d requests over %.0f s to %s", len(times), config.arrival.duration,
+                    ", ".join(config.hosts))
+        result = dispatcher.open_loop(workload, times.tolist())
+    else:
+        logger.info("closed loop: %d in flight to %s", config.concurrency, ", ".join(config.hosts))
+        result = dispatcher.closed_loop(workload, config.concurrency, config.num_requests, config.arrival.duration)
+    logger.info("load done: %d sent, at most %d in flight", result.sent, result.max_in_flight)
+    return result
+
+
+def _run_chats(config: LoadConfig, dispatcher: Dispatcher) -> DispatchResult:
+    chats = build_chats(config.workload)
+    if config.mode == "open":
+        times = build_schedule(config.arrival)
+        logger.info("open loop: %d conversations over %.0f s to %s", len(times), config.arrival.duration,
+                    ", ".join(config.hosts))
+        result = dispatcher.open_loop_chats(chats, times.tolist())
+    else:
+        logger.info("closed loop: %d conversations at a time to %s", config.concurrency, ", ".join(config.hosts))
+        result = dispatcher.closed_loop_chats(chats, config.concurrency, config.num_requests, config.arrival.duration)
+    logger.info("load done: %d turns sent, at most %d in flight", result.sent, result.max_in_flight)
+    return result
 
 
 def _write_meta(path: Path, config: LoadConfig, started: float, result: DispatchResult | None) -> None:

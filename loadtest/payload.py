@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from loadtest.chats import completion_prompt
 from loadtest.workloads import RequestSpec
 
 
@@ -19,7 +20,8 @@ def request_body(model: str, endpoint: str, request: RequestSpec, ignore_eos: bo
     if ignore_eos:
         body["ignore_eos"] = True  # vLLM's extension: generate exactly max_tokens
     if endpoint == "chat":
-        body["messages"] = [{"role": "user", "content": request.prompt}]
+        history = [{"role": role, "content": text} for role, text in request.history]
+        body["messages"] = [*history, {"role": "user", "content": request.prompt}]
     else:
-        body["prompt"] = request.prompt
+        body["prompt"] = completion_prompt(request.history, request.prompt) if request.history else request.prompt
     return body

@@ -34,6 +34,8 @@ class RequestRecord:
     prompt_tokens: int | None = None  # the server's count, when it gave usage
     requested_prompt_tokens: int = 0
     max_tokens: int = 0
+    conversation: int | None = None  # multi-turn: the conversation, and the turn in it (0-based)
+    turn: int | None = None
 
     @property
     def lag_s(self) -> float | None:

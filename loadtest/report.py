@@ -30,6 +30,7 @@ class RunInfo:
     scheduled: int | None = None  # requests in the open-loop schedule
     bursts_s: tuple[float, ...] = ()
     burst_period_s: float = 0.0
+    conversations: int | None = None  # multi-turn, open loop: conversations the schedule started
 
 
 def metric_values(records: Sequence[RequestRecord], metric: str) -> np.ndarray:
@@ -96,7 +97,27 @@ def summarize(records: Sequence[RequestRecord], info: RunInfo) -> dict[str, Any]
     summary["failure_reasons"] = dict(Counter(r.error for r in records if r.error).most_common())
     if info.bursts_s:
         summary["burst_recovery"] = burst_recovery(records, info.bursts_s, info.burst_period_s)
+    if any(r.conversation is not None for r in records):
+        summary.update(conversation_stats(records, info.conversations))
     return summary
+
+
+def conversation_stats(records: Sequence[RequestRecord], scheduled: int | None) -> dict[str, Any]:
+    """Multi-turn facts: conversations and turns, and how often a turn went to the replica of the turn before."""
+    chats: dict[int, list[RequestRecord]] = {}
+    for r in records:
+        if r.conversation is not None:
+            chats.setdefault(r.conversation, []).append(r)
+    follows = stays = 0
+    for turns in chats.values():
+        turns.sort(key=lambda r: r.turn or 0)
+        for before, after in zip(turns, turns[1:]):
+            if before.ok and after.ok and before.replica and after.replica:
+                follows += 1
+                stays += before.replica == after.replica
+    return {"conversations": len(chats), "conversations_scheduled": scheduled,
+            "mean_turns": len(records) / len(chats) if chats else None,
+            "later_turns_on_same_replica": stays / follows if follows else None}
 
 
 def _rates(records: Sequence[RequestRecord], info: RunInfo) -> dict[str, float | None]:

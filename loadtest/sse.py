@@ -24,6 +24,7 @@ class StreamResult:
     itl_s: tuple[float, ...]
     output_tokens: int
     prompt_tokens: int | None
+    text: str = ""  # the reply (choice 0), for a conversation's next turn
 
 
 class StreamMeter:
@@ -36,6 +37,7 @@ class StreamMeter:
         self._itl: list[float] = []
         self._chunks = 0
         self._usage: dict[str, Any] | None = None
+        self._text: list[str] = []
         self.done = False
 
     @property
@@ -61,7 +63,9 @@ class StreamMeter:
             raise RequestFailed(f"error event in stream: {_message(event['error'])}")
         if isinstance(event.get("usage"), dict):
             self._usage = event["usage"]
-        if _token_text(event):
+        token = _token_text(event)
+        if token:
+            self._text.append(token)
             self._token(now)
 
     def _token(self, now: float) -> None:
@@ -84,6 +88,7 @@ class StreamMeter:
             itl_s=tuple(self._itl),
             output_tokens=tokens if isinstance(tokens, int) else self._chunks,
             prompt_tokens=prompt if isinstance(prompt, int) else None,
+            text="".join(self._text),
         )
 
 

@@ -34,6 +34,11 @@ ROWS: tuple[tuple[str, str, str], ...] = (
     ("Median E2E latency (ms)", "median_e2el_ms", "{:.1f}"),
     ("P99 E2E latency (ms)", "p99_e2el_ms", "{:.1f}"),
 )
+CHAT_ROWS: tuple[tuple[str, str, str], ...] = (
+    ("Conversations", "conversations", "{:d}"),
+    ("Mean turns per conversation", "mean_turns", "{:.2f}"),
+    ("Later turns on the same replica", "later_turns_on_same_replica", "{:.1%}"),
+)
 
 
 def _cell(summary: dict[str, Any], key: str, fmt: str) -> str:
@@ -75,7 +80,8 @@ def _extra_rows(summaries: Sequence[dict[str, Any]]) -> list[tuple[str, list[str
 
 def format_table(summaries: Sequence[dict[str, Any]], names: Sequence[str] | None = None) -> str:
     """A table with one column per summary (one summary: a plain two-column result)."""
-    rows = [(label, [_cell(s, key, fmt) for s in summaries]) for label, key, fmt in ROWS]
+    chats = CHAT_ROWS if any("conversations" in s for s in summaries) else ()
+    rows = [(label, [_cell(s, key, fmt) for s in summaries]) for label, key, fmt in ROWS + chats]
     rows += _extra_rows(summaries)
     reasons = sorted({reason for s in summaries for reason in s.get("failure_reasons", {})})
     rows += [(f"Failed: {reason}"[:MAX_LABEL], [str(s.get("failure_reasons", {}).get(reason, 0)) for s in summaries])

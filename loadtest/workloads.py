@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-WORKLOADS = ("fixed", "uniform", "lognormal", "sharegpt", "mix")
+WORKLOADS = ("fixed", "uniform", "lognormal", "sharegpt", "mix", "multiturn")
 
 WORDS = tuple(
     "the of and to in is was for on that with as by at from his her it an were are which this be or had not but "
@@ -40,6 +40,9 @@ class RequestSpec:
     prompt: str
     prompt_tokens: int
     max_tokens: int
+    history: tuple[tuple[str, str], ...] = ()  # multi-turn: (role, text) of the messages before this prompt
+    conversation: int | None = None  # multi-turn: which conversation, and which of its turns (0-based)
+    turn: int | None = None
 
 
 @dataclass(frozen=True)
@@ -59,6 +62,10 @@ class WorkloadSpec:
     tokenizer: str | None = None  # tokenizer.json, or a model directory holding one
     prompt_salt: int = 0  # other prompt text, same lengths: no prefix-cache hits from an earlier run
     seed: int = 0
+    turns: tuple[int, int] = (2, 8)  # multiturn: turns per conversation, min and max
+    system_len: int = 256  # multiturn: the shared system prompt's tokens
+    think_time: float = 5.0  # multiturn: mean seconds between a reply and the next message (exponential)
+    max_context: int = 2048  # multiturn: a conversation ends before a turn that would pass this many tokens
 
     def __post_init__(self) -> None:
         if self.kind not in WORKLOADS:
@@ -80,6 +87,12 @@ class WorkloadSpec:
             raise ValueError(f"seed {self.seed!r} and prompt salt {self.prompt_salt!r} must be >= 0")
         if self.sharegpt_output_len is not None and self.sharegpt_output_len < 1:
             raise ValueError(f"sharegpt output len {self.sharegpt_output_len!r} must be >= 1 token")
+        if not 1 <= self.turns[0] <= self.turns[1]:
+            raise ValueError(f"turns {self.turns[0]}:{self.turns[1]} must be MIN:MAX with 1 <= MIN <= MAX")
+        if self.system_len < 0 or self.max_context < 1:
+            raise ValueError(f"system len {self.system_len!r} must be >= 0 and max context {self.max_context!r} >= 1")
+        if not self.think_time >= 0:
+            raise ValueError(f"think time {self.think_time!r} must be >= 0 seconds")
 
 
 class Workload(Protocol):
@@ -187,7 +200,7 @@ class ShareGpt:
     @classmethod
     def load(cls, path: str, seed: int, output_len: int | None = None, tokens: Tokens | None = None,
              salt: int = 0) -> ShareGpt:
-        pairs = tuple(parse_sharegpt(_read_json(path), tokens or EstimatedTokens()))
+        pairs = tuple(parse_sharegpt(read_json(path), tokens or EstimatedTokens()))
         if not pairs:
             raise ValueError(f"dataset {path!r} has no conversation that starts with a human turn and a reply")
         order = tuple(int(i) for i in np.random.default_rng(seed).permutation(len(pairs)))
@@ -200,7 +213,7 @@ class ShareGpt:
         return RequestSpec(index, prompt, prompt_tokens, self.output_len or reply_tokens)
 
 
-def _read_json(path: str) -> object:
+def read_json(path: str) -> object:
     try:
         return json.loads(Path(path).read_text(encoding="utf-8"))
     except OSError as e:

@@ -210,7 +210,7 @@ async def health(request: web.Request) -> web.Response:
 async def fake_stats(request: web.Request) -> web.Response:
     stats = request.app[STATS]
     return web.json_response({"arrivals": stats.arrivals, "running": stats.running, "max_running": stats.max_running,
-                              "finished": stats.finished, "aborted": stats.aborted})
+                              "finished": stats.finished, "aborted": stats.aborted, "bodies": stats.bodies})
 
 
 async def metrics(request: web.Request) -> web.Response:

@@ -167,3 +167,28 @@ def test_closed_loop_round_robin_reports_failures_with_their_reasons(tmp_path: P
     assert summary["offered_rate"] is None and summary["max_in_flight"] <= 4
     failures = (tmp_path / "locust_failures.csv").read_text()
     assert "HTTP 503: overloaded" in failures and "connection broken mid-stream" in failures
+
+
+def test_multi_turn_chats_carry_their_history_and_stay_on_one_replica(gateway: str, slow_replicas: list[str],
+                                                                      tmp_path: Path) -> None:
+    """Conversations of three turns: each turn resends the shared system prompt, the earlier messages and the
+    replies as streamed; with the gateway's default policy a conversation's turns with history (the second and
+    third) land on one replica (its first turn is placed by load, on that replica unless it is busier)."""
+    _loadtest("run", "--host", gateway, "--model", "fake-model", "--endpoint", "chat", "--workload", "multiturn",
+              "--turns", "3:3", "--system-len", "20", "--input-len", "6", "--output-len", "4", "--think-time", "0.2",
+              "--arrival", "poisson", "--rate", "3", "--duration", "2", "--seed", "3", "--out", str(tmp_path))
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    chats = summary["conversations"]
+    assert chats == summary["conversations_scheduled"] == len(poisson(3.0, 2.0, 3)) > 0
+    assert (summary["completed"], summary["failed"], summary["mean_turns"]) == (3 * chats, 0, 3.0)
+    assert summary["later_turns_on_same_replica"] >= 0.75
+    records = [json.loads(line) for line in (tmp_path / "records.jsonl").read_text().splitlines()]
+    replica = {(r["conversation"], r["turn"]): r["replica"] for r in records}
+    assert all(replica[(c, 1)] == replica[(c, 2)] for c in range(chats))
+    bodies = [b for url in slow_replicas for b in _stats(url)["bodies"]]
+    last_turns = [b["messages"] for b in bodies if len(b["messages"]) == 6]
+    assert len(last_turns) == chats
+    systems = {m[0]["content"] for m in last_turns}
+    assert len(systems) == 1 and [m["role"] for m in last_turns[0]] == ["system", "user", "assistant", "user",
+                                                                        "assistant", "user"]
+    assert all(m[2]["content"] and m[4]["content"] for m in last_turns)  # the replies as the fake streamed them
