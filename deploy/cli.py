@@ -23,10 +23,10 @@ from deploy.plan import Plan, PlanError, load
 from deploy.process import StopFlag
 from deploy.tinymodel import ensure_tiny_model
 from deploy.up import DeployError, UpConfig, run
+from gateway.config import DEFAULT_POLICY, POLICY_NAMES
 
 logger = logging.getLogger(__name__)
 
-POLICIES = ("least_outstanding_tokens", "round_robin", "random", "least_requests", "power_of_two")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -46,7 +46,7 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--max-model-len", type=int, help="context length per replica (default: the model's)")
     up.add_argument("--gpu-memory-utilization", type=float, help="GPU share per replica (default 0.9/N)")
     up.add_argument("--kv-cache-gib", type=float, help="CPU KV cache per replica in GiB (default 1)")
-    up.add_argument("--policy", choices=POLICIES, help="the gateway's routing policy")
+    up.add_argument("--policy", choices=POLICY_NAMES, help=f"the gateway's routing policy (default {DEFAULT_POLICY})")
     up.add_argument("--gateway-workers", type=int, metavar="N",
                     help="the gateway's worker processes (default: the plan's, from its expected token rate; else 1)")
     up.add_argument("--device", choices=("auto", "cpu", "gpu"), default="auto", help="default: GPU if pynvml sees one")
@@ -86,7 +86,7 @@ def build_plan(args: argparse.Namespace, hardware: Hardware) -> Plan:
         port=args.port if args.port is not None else DEFAULT_PORT, replica_port_base=args.replica_port_base,
         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
         gpu_memory_utilization=args.gpu_memory_utilization, cpu_kvcache_space_gib=args.kv_cache_gib,
-        policy=args.policy or "least_outstanding_tokens", extra_args=tuple(args.vllm_args))
+        policy=args.policy or DEFAULT_POLICY, extra_args=tuple(args.vllm_args))
     plan = default_plan(options, hardware)
     return replace(plan, gateway=replace(plan.gateway, workers=1 if args.gateway_workers is None else args.gateway_workers))
 

@@ -11,6 +11,7 @@ from typing import Any
 from deploy.hardware import Hardware, cpu_list, split_cpus
 from deploy.models import ResolvedModel
 from deploy.plan import Admission, GatewaySpec, Plan, ReplicaSpec
+from gateway.config import DEFAULT_POLICY
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +38,7 @@ class PlanOptions:
     max_model_len: int | None = None
     gpu_memory_utilization: float | None = None
     cpu_kvcache_space_gib: float | None = None
-    policy: str = "least_outstanding_tokens"
+    policy: str = DEFAULT_POLICY
     extra_args: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
@@ -139,6 +140,10 @@ def gateway_config(plan: Plan, *, host: str = "0.0.0.0", replica_host: str = "12
     replicas = []
     for spec in plan.replicas:
         entry: dict[str, Any] = {"url": replica_url(spec, replica_host), "weight": 1.0}
+        if spec.max_num_seqs is not None:
+            entry["max_num_seqs"] = spec.max_num_seqs
+        if spec.speed is not None:
+            entry["speed"] = spec.speed
         if spec.admission.max_requests is not None:
             entry["max_requests"] = spec.admission.max_requests
         if spec.admission.max_outstanding_tokens is not None:

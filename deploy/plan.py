@@ -1,7 +1,7 @@
 """The deployment plan: what `planner plan` writes and `deploy up --plan` runs.
 
     model: facebook/opt-1.3b
-    gateway: {port: 8000, policy: least_outstanding_tokens, queue_size: 1024, queue_wait_s: 30, workers: 1}
+    gateway: {port: 8000, policy: prefix_affinity, queue_size: 1024, queue_wait_s: 30, workers: 1}
     replicas:
       - name: r0
         model: facebook/opt-1.3b
@@ -14,6 +14,7 @@
         extra_args: []
         admission: {max_requests: 256, max_outstanding_tokens: null}
         served_model_name: null           # optional: the name clients ask for (default: model)
+        speed: {step_s: {1: 0.0036, 256: 0.031}, prefill_tokens_s: 200000}   # optional: measured, for the gateway
     reasoning: {...}                      # free-form: B*, the rule, the numbers it came from
     validation: {...}                     # free-form: what `planner validate` measured
 """
@@ -26,6 +27,9 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from gateway.config import DEFAULT_POLICY
+from gateway.speed import Speed, SpeedError
 
 
 class PlanError(ValueError):
@@ -55,6 +59,7 @@ class ReplicaSpec:
     extra_args: tuple[str, ...] = ()
     admission: Admission = field(default_factory=Admission)
     served_model_name: str | None = None  # the name clients use (vLLM's --served-model-name); None: `model`
+    speed: dict[str, Any] | None = None  # the gateway's speed model of it (gateway/speed.py), from the profile
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
@@ -68,6 +73,11 @@ class ReplicaSpec:
                 raise PlanError(f"replica {self.name!r} {name} must be a positive integer, got {value!r}")
         if self.cpu_kvcache_space_gib is not None and self.cpu_kvcache_space_gib <= 0:
             raise PlanError(f"replica {self.name!r} cpu_kvcache_space_gib must be positive")
+        if self.speed is not None:
+            try:
+                Speed.from_mapping(self.speed, f"replica {self.name!r} speed")
+            except SpeedError as exc:
+                raise PlanError(str(exc)) from None
 
 
 @dataclass(frozen=True)
@@ -75,7 +85,7 @@ class GatewaySpec:
     """How to run the gateway in front of the replicas."""
 
     port: int = 8000
-    policy: str = "least_outstanding_tokens"
+    policy: str = DEFAULT_POLICY
     queue_size: int = 0
     queue_wait_s: float = 30.0
     workers: int = 1  # gateway worker processes (planner: from the expected token rate, see `gateway_workers`)

@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from deploy.plan import PlanError
-from gateway.config import POLICY_NAMES
+from gateway.config import DEFAULT_POLICY, POLICY_NAMES
 from deploy.process import ProcessError
 from planner.choice import BcaConfig, ChoiceConfig, Slo
 from planner.client import Timeouts
@@ -65,7 +65,7 @@ def _plan_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
                    help="give each replica kv_cache_memory_bytes instead of gpu_memory_utilization")
     p.add_argument("--base-port", type=int, default=8001, help="first replica's port (default 8001)")
     p.add_argument("--gateway-port", type=int, default=8000, help="the gateway's port (default 8000)")
-    p.add_argument("--policy", choices=POLICY_NAMES, default="least_outstanding_tokens",
+    p.add_argument("--policy", choices=POLICY_NAMES, default=DEFAULT_POLICY,
                    help="the gateway's routing policy")
     p.add_argument("--queue-size", type=int, help="gateway admission queue (default max(1024, 4 x replicas x B*))")
     p.add_argument("--plots", type=Path, help="also draw the profile's plots into this directory")

@@ -13,12 +13,14 @@ from typing import Any
 
 from deploy.plan import (US_PER_EVENT, WORKER_BUSY, Admission, GatewaySpec, Plan, PlanError, ReplicaSpec, dump,
                          gateway_workers)
+from gateway.config import DEFAULT_POLICY
 from planner import modelinfo
 from planner.choice import BcaConfig, ChoiceConfig, Choice, bca_choice, choose_batch, explain_difference
 from planner.errors import MemoryPlanError, PlannerError
 from planner.memory import (GIB, MemoryFacts, ReplicaMemory, cpu_kvcache_space_gib, gib, gpu_layout,
                             measured_kv_bytes, replica_memory)
 from planner.points import Profile, ProfilePoint
+from planner.speed import gateway_speed
 
 DEFAULT_GPU_OVERHEAD_GIB = 1.0
 DEFAULT_CPU_REPLICAS = 2
@@ -48,7 +50,7 @@ class PlanConfig:
     kv_cache_bytes_mode: bool = False  # write kv_cache_memory_bytes instead of gpu_memory_utilization
     base_port: int = 8001
     gateway_port: int = 8000
-    policy: str = "least_outstanding_tokens"
+    policy: str = DEFAULT_POLICY
     queue_size: int | None = None
     queue_wait_s: float = 30.0
 
@@ -185,9 +187,10 @@ def make_plan(profile: Profile, config: PlanConfig) -> Plan:
         count, memory_args, layout = _gpu(profile, config, memory)
     else:
         count, memory_args, layout = _cpu(config, memory)
+    speed = gateway_speed(profile)
     replicas = tuple(ReplicaSpec(name=f"r{i}", model=model, port=config.base_port + i,
                                  max_num_seqs=choice.batch_size, max_model_len=max_model_len, extra_args=extra,
-                                 admission=Admission(max_requests=choice.batch_size), **memory_args)
+                                 admission=Admission(max_requests=choice.batch_size), speed=speed, **memory_args)
                      for i in range(count))
     queue = config.queue_size or max(1024, 4 * count * choice.batch_size)
     workers, rate = _workers(profile, choice, count)
