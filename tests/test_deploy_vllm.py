@@ -175,6 +175,38 @@ def test_both_replicas_serve(deployment: Deployment) -> None:
     assert served == replicas
 
 
+def prefix_cache_hits(replica_url: str) -> float:
+    """vLLM's `vllm:prefix_cache_hits_total` (tokens found in the prefix cache), summed over engines."""
+    text = urllib.request.urlopen(f"{replica_url}/metrics", timeout=5).read().decode()
+    values = re.findall(r"^vllm:prefix_cache_hits_total\{[^}]*\} ([0-9.e+-]+)$", text, re.M)
+    assert values, "vllm:prefix_cache_hits_total is missing from /metrics"
+    return sum(float(v) for v in values)
+
+
+def test_a_conversation_stays_where_its_prefix_is_cached(deployment: Deployment) -> None:
+    """Two four-turn chats through the default policy (prefix_affinity): each turn after the first lands on the
+    replica of the turns before it, and that replica's vllm:prefix_cache_hits rises by at least a 128-token block
+    (vLLM's CPU block) per later turn; the other replica's does not move."""
+    replicas = [r["url"] for r in deployment.state()["replicas"]]
+    system = {"role": "system", "content": "You answer questions about caches, briefly and politely. " * 12}
+    with deployment.client() as client:
+        for chat in range(2):
+            messages: list[Any] = [system, {"role": "user", "content": f"Chat {chat}: what is a prefix cache?"}]
+            before = {url: prefix_cache_hits(url) for url in replicas}
+            served = []
+            for turn in range(4):
+                raw = client.chat.completions.with_raw_response.create(
+                    model=MODEL, messages=messages, max_tokens=16, extra_body={"ignore_eos": True})
+                served.append(raw.headers["x-gateway-replica"])
+                messages += [{"role": "assistant", "content": raw.parse().choices[0].message.content or ""},
+                             {"role": "user", "content": f"And what happens at turn {turn + 2}?"}]
+            after = {url: prefix_cache_hits(url) for url in replicas}
+            home = served[0]
+            assert served == [home] * 4
+            assert after[home] - before[home] >= 3 * 128
+            assert all(after[url] == before[url] for url in replicas if url != home)
+
+
 def test_client_disconnect_mid_stream_aborts_the_request(deployment: Deployment) -> None:
     """A client that hangs up mid-stream: vLLM's running-request gauge is back to 0 within two seconds."""
     with deployment.client() as client:
