@@ -10,7 +10,7 @@ Measures, for each path, in rounds that alternate direct and gateway (medians re
   - p50/p99 latency at a fixed 100 requests/s, open-loop (Python client; the gateway's figure minus direct's is
     what the gateway adds),
   - the gateway's CPU time per request and per chunk (from /proc).
-The gateway runs with everything on: least-outstanding-tokens routing, token accounting, admission caps,
+The gateway runs with everything on: the default routing (prefix_affinity), token accounting, admission caps,
 health probes, metrics.
 
     python bench/gateway_overhead.py [--rounds 3] [--seconds 5]
@@ -157,7 +157,7 @@ def main() -> None:
     config = Path(tempfile.mkdtemp()) / "gateway.yaml"
     config.write_text(json.dumps({
         "replicas": [{"url": direct, "max_requests": 100000, "max_outstanding_tokens": 10**9}],
-        "port": gateway_port, "host": "127.0.0.1", "policy": "least_outstanding_tokens",
+        "port": gateway_port, "host": "127.0.0.1", "policy": "prefix_affinity",
         "queue": {"max_size": 10000, "max_wait_s": 30}, "log_level": "warning"}))
     scenarios = {
         "non-streaming requests/s": ({"model": "fake-model", "prompt": "hello", "max_tokens": 16}, 32, 1),

@@ -30,6 +30,7 @@ from .table import (
     H_RESTARTS,
     INFLIGHT,
     OUTSTANDING,
+    PREFILL,
     R_QUEUE,
     R_STATE,
     S_KV,
@@ -178,6 +179,8 @@ class _Families(Collector):
         own = (("gateway_replica_outstanding_tokens", "Outstanding tokens (prompt + unfinished output) per replica",
                 OUTSTANDING, rows),
                ("gateway_replica_inflight_requests", "Requests in flight per replica", INFLIGHT, rows),
+               ("gateway_replica_prefill_tokens", "Prompt tokens of requests with no first token yet, per replica",
+                PREFILL, rows),
                ("gateway_replica_feedback_tokens", "Outstanding tokens other clients hold per replica, estimated "
                 "from its /metrics (load feedback)", OUTSTANDING, range(0, 1)),
                ("gateway_replica_feedback_requests", "Requests other clients hold per replica, from its /metrics "
