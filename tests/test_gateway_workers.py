@@ -220,7 +220,8 @@ async def test_sigterm_drains_every_worker(fake_replica: FakeFactory, serve: Ser
 async def test_sighup_reloads_the_replicas_into_every_worker(fake_replica: FakeFactory, serve: ServeFactory) -> None:
     """A replica added to the config file serves through both workers after SIGHUP; the workers are replaced."""
     a, b = await fake_replica(), await fake_replica()
-    gw = await serve([a.url])
+    # By load alone: under prefix_affinity the same prompt on an idle pool stays on its replica, by design.
+    gw = await serve([a.url], policy="least_outstanding_tokens")
     async with aiohttp.ClientSession() as session:
         before = {w for _, w in [await short(session, gw.url) for _ in range(12)]}
         config = yaml.safe_load(gw.config.read_text())
@@ -250,3 +251,27 @@ async def test_a_bad_port_fails_at_start_with_a_message(fake_replica: FakeFactor
             sys.executable, "-m", "gateway.cli", "serve", "--replica", "http://127.0.0.1:9", "--host", "127.0.0.1",
             "--port", str(port), "--workers", "2"], cwd=ROOT, capture_output=True, text=True, timeout=30)
     assert result.returncode != 0 and "cannot serve on" in result.stderr and "Traceback" not in result.stderr
+
+
+async def test_a_conversation_keeps_its_replica_whichever_worker_takes_each_turn(
+        fake_replica: FakeFactory, serve: ServeFactory) -> None:
+    """prefix_affinity needs no shared state: eight chats of three turns, each turn on a new connection (so either
+    worker may take it), each chat on one replica, the chats over both replicas and both workers."""
+    a, b = await fake_replica(), await fake_replica()
+    gw = await serve([a.url, b.url])
+    replicas: dict[int, set[str]] = {}
+    workers: set[str] = set()
+    async with aiohttp.ClientSession() as session:
+        for chat in range(8):
+            messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": f"Chat {chat}?"}]
+            for _ in range(3):
+                async with session.post(gw.url + "/v1/chat/completions", headers={"Connection": "close"},
+                                        json={"model": "fake-model", "messages": messages, "max_tokens": 4}) as resp:
+                    assert resp.status == 200, await resp.text()
+                    reply = (await resp.json())["choices"][0]["message"]["content"]
+                    replicas.setdefault(chat, set()).add(resp.headers["x-gateway-replica"])
+                    workers.add(resp.headers["x-gateway-worker"])
+                messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": "And?"}]
+    assert all(len(served) == 1 for served in replicas.values())
+    assert {r for served in replicas.values() for r in served} == {a.url, b.url}
+    assert len(workers) == 2
