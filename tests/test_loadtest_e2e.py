@@ -175,13 +175,13 @@ def test_multi_turn_chats_carry_their_history_and_stay_on_one_replica(gateway: s
     replies as streamed; with the gateway's default policy a conversation's turns with history (the second and
     third) land on one replica (its first turn is placed by load, on that replica unless it is busier)."""
     _loadtest("run", "--host", gateway, "--model", "fake-model", "--endpoint", "chat", "--workload", "multiturn",
-              "--turns", "3:3", "--system-len", "20", "--input-len", "6", "--output-len", "4", "--think-time", "0.2",
+              "--turns", "3:3", "--system-len", "20", "--input-len", "30", "--output-len", "12", "--think-time", "0.2",
               "--arrival", "poisson", "--rate", "3", "--duration", "2", "--seed", "3", "--out", str(tmp_path))
     summary = json.loads((tmp_path / "summary.json").read_text())
     chats = summary["conversations"]
     assert chats == summary["conversations_scheduled"] == len(poisson(3.0, 2.0, 3)) > 0
     assert (summary["completed"], summary["failed"], summary["mean_turns"]) == (3 * chats, 0, 3.0)
-    assert summary["later_turns_on_same_replica"] >= 0.75
+    assert summary["later_turns_on_same_replica"] >= 0.5  # the second-to-third turn always; first-to-second often
     records = [json.loads(line) for line in (tmp_path / "records.jsonl").read_text().splitlines()]
     replica = {(r["conversation"], r["turn"]): r["replica"] for r in records}
     assert all(replica[(c, 1)] == replica[(c, 2)] for c in range(chats))
