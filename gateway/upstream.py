@@ -95,6 +95,10 @@ class _Connection(asyncio.Protocol):
         self.transport = None
 
     # -- httptools callbacks ----------------------------------------------------------------------------------
+    def on_message_begin(self) -> None:
+        if self.complete:  # a second answer to one request: it would overwrite the first and desync the next one
+            raise ConnectionError("the replica sent more than one answer to one request")
+
     def on_header(self, name: bytes, value: bytes) -> None:
         self.headers[name.decode("latin-1").lower()] = value.decode("latin-1")
 

@@ -1103,6 +1103,35 @@ async def test_pool_does_not_retry_a_fresh_connection(raw_replica: RawFactory, p
     assert [c for c, _ in replica.seen] == [1]
 
 
+STALE = b'{"stale": true}'
+
+
+async def test_second_answer_to_one_request_is_not_relayed(raw_replica: RawFactory,
+                                                            gateway_for: GatewayFactory) -> None:
+    """A replica answering one request twice: the client gets the first answer alone, and the next request its own.
+
+    Found by fuzzing (tests/test_fuzz.py): the second answer overwrote the first's status and was appended to its
+    body, and when it came later it was waiting on the pooled connection for the next request.
+    """
+    replica = await raw_replica(lambda method, path, n: (answer(COMPLETION) + answer(STALE, "500 Oops"), False))
+    gw = await gateway_for([replica.url])
+    async with aiohttp.ClientSession() as session:
+        for _ in range(2):
+            status, body = await post_completion(session, gw.url)
+            assert (status, body) == (200, COMPLETION)
+    assert len(replica.connections()) == 2  # the connection that misbehaved is not reused
+
+
+async def test_pool_closes_a_connection_that_speaks_while_idle(raw_replica: RawFactory, pool: UpstreamPool) -> None:
+    """An answer nobody asked for, arriving on an idle pooled connection, closes it instead of answering the next."""
+    replica = await raw_replica(lambda method, path, n: ((answer(b"first"), answer(STALE)), False))
+    origin = Origin.from_url(replica.url)
+    assert await get_body(pool, origin) == b"first"
+    await asyncio.sleep(0.1)  # the unrequested answer arrives while the connection is idle in the pool
+    assert await get_body(pool, origin) == b"first"
+    assert len(replica.connections("/x")) == 2
+
+
 def self_signed(tmp: Path) -> tuple[Path, Path]:
     """A certificate for 127.0.0.1 and its key, made with the openssl command."""
     cert, key = tmp / "cert.pem", tmp / "key.pem"
