@@ -27,6 +27,7 @@ logger = logging.getLogger(__name__)
 
 _SSE_EVENT = b"data:"
 _RETRY_STATUSES = (502, 503)
+_MAX_HELD = 64 * 1024  # an SSE event longer than this is relayed in parts
 
 
 class _Retryable(Exception):
@@ -176,14 +177,20 @@ class Proxy:
             lease.first_token()
         self._watchdogs.rearm(watch, self._config.timeouts.idle_s)
         failure = ""
+        held = b""  # the start of an event still arriving: relayed once whole, so an error event never joins it
         try:
             while data:
-                lease.tokens(data.count(_SSE_EVENT))
-                watch.paused = True  # a slow client is not a stalled replica
-                await responder.send(data)
-                watch.paused = False
+                if held or not data.endswith(b"\n\n"):
+                    data, held = _whole_events(held + data)
+                if data:
+                    lease.tokens(data.count(_SSE_EVENT))
+                    watch.paused = True  # a slow client is not a stalled replica
+                    await responder.send(data)
+                    watch.paused = False
                 data = await upstream.readany()
                 watch.last = loop.time()
+            if held:
+                await responder.send(held)  # the replica ended without ending its last event: relayed as sent
         except asyncio.CancelledError:
             if not self._watchdogs.timed_out(watch):
                 raise  # the client went away, or the gateway is stopping
@@ -203,6 +210,15 @@ class Proxy:
             await responder.finish()
         except ConnectionError:
             logger.debug("client went away at the end of a stream from %s", lease.replica.url)
+
+
+def _whole_events(data: bytes) -> tuple[bytes, bytes]:
+    """`data` up to the end of its last whole SSE event, and the rest (relayed as is past `_MAX_HELD` bytes)."""
+    lf, crlf = data.rfind(b"\n\n"), data.rfind(b"\r\n\r\n")
+    end = max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
+    if len(data) - end > _MAX_HELD:
+        return data, b""
+    return data[:end], data[end:]
 
 
 class _Watch:

@@ -1103,6 +1103,42 @@ async def test_pool_does_not_retry_a_fresh_connection(raw_replica: RawFactory, p
     assert [c for c, _ in replica.seen] == [1]
 
 
+@pytest.mark.parametrize("ending", ["reset", "close"])
+async def test_stream_cut_inside_an_event_ends_with_a_readable_error_event(raw_replica: RawFactory,
+                                                                          gateway_for: GatewayFactory,
+                                                                          ending: str) -> None:
+    """A replica that dies in the middle of an SSE event: the client gets the whole events, then an error event of
+    its own that parses as JSON (the half event is dropped, not glued to it). Found by fuzzing."""
+    whole = b'data: {"choices": [{"index": 0, "text": " tok"}]}\n\n'
+    sent = whole + b'data: {"choices": [{"ind'
+    head = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+    replica = await raw_replica(lambda method, path, n: (head + b"%x\r\n%b\r\n" % (len(sent), sent),
+                                                         "reset" if ending == "reset" else True))
+    gw = await gateway_for([replica.url])
+    async with aiohttp.ClientSession() as session:
+        status, body = await post_completion(session, gw.url, stream=True)
+    assert status == 200
+    events = body.split(b"\n\n")
+    assert events[0] + b"\n\n" == whole and events[-1] == b""
+    error = json.loads(events[1].removeprefix(b"data: "))
+    assert error["error"]["code"] == "upstream_stream_error" and len(events) == 3
+
+
+async def test_stream_events_split_across_reads_arrive_whole(raw_replica: RawFactory,
+                                                             gateway_for: GatewayFactory) -> None:
+    """SSE events that reach the gateway in pieces (an event cut across reads) reach the client complete and in order."""
+    events = [b'data: {"n": %d}\n\n' % i for i in range(4)] + [b"data: [DONE]\n\n"]
+    stream = b"".join(events)
+    parts = [stream[:7], stream[7:30], stream[30:31], stream[31:]]
+    head = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+    chunks = tuple(b"%x\r\n%b\r\n" % (len(p), p) for p in parts)
+    replica = await raw_replica(lambda method, path, n: ((head + chunks[0], *chunks[1:], b"0\r\n\r\n"), False))
+    gw = await gateway_for([replica.url])
+    async with aiohttp.ClientSession() as session:
+        status, body = await post_completion(session, gw.url, stream=True)
+    assert (status, body) == (200, stream)
+
+
 STALE = b'{"stale": true}'
 
 
