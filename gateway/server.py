@@ -241,6 +241,10 @@ class _Connection(asyncio.Protocol):
             self._refuse(431, f"the request line and headers are larger than {_MAX_HEAD} bytes",
                          "request_header_fields_too_large")
             return
+        version = self._parser.get_http_version()
+        if version not in ("1.1", "1.0"):  # llhttp also takes HTTP/0.9 (no version at all) and HTTP/2.0 request lines
+            self._refuse(400, f"HTTP/{version} is not supported: send HTTP/1.1 or HTTP/1.0", "unsupported_http_version")
+            return
         length = self._headers.get("content-length", "")
         if length.isdigit() and int(length) > self._server.max_body:
             self._too_large()

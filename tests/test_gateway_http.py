@@ -329,7 +329,12 @@ async def test_chunked_body_over_limit_raw() -> None:
     b"POST / HTTP/1.1\r\nHost: t\r\nContent-Length: ten\r\n\r\n",
     b"POST / HTTP/1.1\r\nHost: t\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
     b"POST / HTTP/1.1\r\nHost: t\r\nContent-Length: 5\r\nContent-Length: 6\r\n\r\nabcdef",
-], ids=["request-line", "header", "content-length", "length-and-chunked", "two-lengths"])
+    # found by fuzzing: llhttp takes these request lines, and the gateway forwarded them as HTTP/1.1
+    b"GET /v1/models\r\n\r\n",
+    b"PRI /v1/x\r\n\r\n",
+    b"GET /v1/models HTTP/2.0\r\nHost: t\r\n\r\n",
+], ids=["request-line", "header", "content-length", "length-and-chunked", "two-lengths", "http-0.9", "pri-0.9",
+        "http-2.0"])
 async def test_malformed_request_is_400_and_closed(raw: bytes) -> None:
     """Malformed HTTP gets a 400 with an OpenAI-style body, then the connection is closed."""
     echo = Echo()
