@@ -30,7 +30,7 @@ def load_json(raw: bytes) -> dict[str, Any]:
     """The body as a JSON object, or a 400 (msgspec: json.loads from bytes took half the parse time, measured)."""
     try:
         body = msgspec.json.decode(raw)
-    except msgspec.MsgspecError as exc:
+    except (msgspec.MsgspecError, UnicodeDecodeError) as exc:  # msgspec raises the latter for bad UTF-8 in a string
         raise bad_request(f"the request body is not valid JSON: {exc}") from None
     except RecursionError:  # msgspec's answer to arrays or objects nested about 1000 deep
         raise bad_request("the request body is nested too deeply") from None
@@ -168,7 +168,7 @@ def other_info(raw: bytes) -> RequestInfo:
     if raw:
         try:
             body = msgspec.json.decode(raw)
-        except msgspec.MsgspecError:
+        except (msgspec.MsgspecError, UnicodeDecodeError):
             body = None
         if isinstance(body, dict) and isinstance(body.get("model"), str):
             model = body["model"]

@@ -38,6 +38,9 @@ def assert_openai_error(body: dict[str, Any]) -> None:
     ("/v1/embeddings", b'{"model": "fake-model"}', 400, "input"),
     ("/v1/completions", b'{"model": "no-such-model", "prompt": "x"}', 404, "model"),
     ("/v1/completions", b"\xff\xfe", 400, None),
+    # found by fuzzing: invalid UTF-8 inside a JSON string or key made msgspec raise UnicodeDecodeError (a 500)
+    ("/v1/completions", b'{"model": "fake-model", "prompt": "a\xdcb"}', 400, None),
+    ("/v1/chat/completions", b'{"model": "fake-model", "messages": [], "max_t\x92\x94": 4}', 400, None),
 ])
 async def test_bad_requests_get_openai_errors(path: str, payload: bytes, status: int, param: str | None,
                                               fake_replica: FakeFactory, gateway_for: GatewayFactory) -> None:
@@ -51,6 +54,17 @@ async def test_bad_requests_get_openai_errors(path: str, payload: bytes, status:
     assert_openai_error(body)
     assert body["error"]["param"] == param
     assert fake.stats.bodies == []  # nothing bad reached the replica
+
+
+async def test_bad_utf8_to_another_v1_path_is_forwarded(fake_replica: FakeFactory,
+                                                        gateway_for: GatewayFactory) -> None:
+    """A body with invalid UTF-8 to a /v1 path the gateway only forwards goes on to a replica (no 500)."""
+    fake = await fake_replica()
+    gw = await gateway_for([fake.url])
+    async with aiohttp.ClientSession() as session:
+        async with session.post(gw.url + "/v1/other", data=b'{"model": "a\xdcb"}') as resp:
+            assert resp.status == 404  # the fake's answer for a path it does not serve
+            assert resp.headers["x-gateway-replica"] == fake.url
 
 
 async def test_body_over_the_limit_is_413(fake_replica: FakeFactory, gateway_for: GatewayFactory) -> None:
