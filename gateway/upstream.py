@@ -104,6 +104,8 @@ class _Connection(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         self.status = self._parser.get_status_code()
+        if not 100 <= self.status <= 599:  # llhttp takes any three digits; relayed, "020" made a broken status line
+            raise ConnectionError(f"the replica answered with status {self.status:03d}")
         if 100 <= self.status < 200:
             self.headers = {}  # an interim answer (100 Continue): the real head follows
             return

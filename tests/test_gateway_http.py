@@ -925,7 +925,10 @@ async def test_answer_ending_at_a_reset_is_not_taken_as_complete(raw_replica: Ra
     b"NOT HTTP AT ALL\r\n\r\n",
     b"HTTP/1.1 200 OK\r\nContent-Length: many\r\n\r\n",
     b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
-], ids=["status-line", "content-length", "chunk-size"])
+    # found by fuzzing: llhttp takes any three digits as a status, and the gateway relayed "020" as "HTTP/1.1 20"
+    b"HTTP/1.1 020 OK\r\nContent-Length: 0\r\n\r\n",
+    b"HTTP/1.1 600 OK\r\nContent-Length: 0\r\n\r\n",
+], ids=["status-line", "content-length", "chunk-size", "status-020", "status-600"])
 async def test_malformed_replica_answer_is_502(raw_replica: RawFactory, gateway_for: GatewayFactory,
                                                reply: bytes) -> None:
     """A replica answering malformed HTTP gets the client a 502 with an OpenAI-style body."""
