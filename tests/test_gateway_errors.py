@@ -41,6 +41,8 @@ def assert_openai_error(body: dict[str, Any]) -> None:
     # found by fuzzing: invalid UTF-8 inside a JSON string or key made msgspec raise UnicodeDecodeError (a 500)
     ("/v1/completions", b'{"model": "fake-model", "prompt": "a\xdcb"}', 400, None),
     ("/v1/chat/completions", b'{"model": "fake-model", "messages": [], "max_t\x92\x94": 4}', 400, None),
+    # found by fuzzing: a model name too long to be a file name made the tokenizer lookup raise OSError (a 500)
+    ("/v1/completions", b'{"model": "%b", "prompt": "x"}' % (b"m" * 5000), 404, "model"),
 ])
 async def test_bad_requests_get_openai_errors(path: str, payload: bytes, status: int, param: str | None,
                                               fake_replica: FakeFactory, gateway_for: GatewayFactory) -> None:
