@@ -10,13 +10,14 @@ tokens, in-flight requests, health, queue depth, the load feedback) are read fro
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import math
 from bisect import bisect_left
 from collections.abc import Iterable, Iterator
 
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -209,6 +210,18 @@ class _Families(Collector):
                                 value=max(depth, self._router.queue_depth))
 
 
+class _Runtime(Collector):
+    """The event loop's live tasks (one per client connection, plus background ones): a leak shows as growth."""
+
+    def collect(self) -> Iterator[Metric]:
+        try:
+            tasks = len(asyncio.all_tasks())
+        except RuntimeError:  # scraped outside the event loop (a test rendering directly)
+            return
+        yield GaugeMetricFamily("gateway_asyncio_tasks", "asyncio tasks alive in the process that answered the scrape",
+                                value=tasks)
+
+
 class Metrics:
     """The gateway's counters and histograms, in this process's row of the load table."""
 
@@ -222,6 +235,9 @@ class Metrics:
         self._latency: dict[tuple[str, str], int] = {}
         self._ttft: dict[tuple[str, str], int] = {}
         self.registry.register(_Families(router, table, worker_rows))
+        self.registry.register(_Runtime())
+        # process_open_fds, process_resident_memory_bytes, ...: read from /proc at scrape, for the answering process
+        ProcessCollector(registry=self.registry)
 
     def answered(self, replica: str, model: str, status: int, seconds: float) -> None:
         """One request answered by `replica`: count it and observe its duration."""

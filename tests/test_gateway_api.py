@@ -125,7 +125,7 @@ async def test_health_ready_and_metrics(fake_replica: FakeFactory, gateway_for: 
     for name in ("gateway_requests_total", "gateway_request_duration_seconds_bucket",
                  "gateway_time_to_first_token_seconds", "gateway_replica_outstanding_tokens",
                  "gateway_replica_inflight_requests", "gateway_replica_prefill_tokens", "gateway_replica_healthy",
-                 "gateway_queue_depth"):
+                 "gateway_queue_depth", "gateway_asyncio_tasks", "process_open_fds", "process_resident_memory_bytes"):
         assert name in metrics
     assert f'gateway_requests_total{{model="fake-model",replica="{fake.url}",status="200"}} 1.0' in metrics
 
