@@ -356,8 +356,9 @@ def fault_plan(duration_s: float, replicas: int, rng: random.Random, quiet_tail_
     for cycle in range(cycles):
         kinds = list(FAULT_KINDS)
         rng.shuffle(kinds)
-        if kinds[-1] == "slow":  # a slowed answer takes ten times as long: not the last fault, so the run ends soon
-            kinds[0], kinds[-1] = kinds[-1], kinds[0]
+        if cycle == cycles - 1 and kinds.index("slow") > 1:  # a slowed answer takes ten times as long (a minute):
+            at = kinds.index("slow")                           # early in the last cycle, so the run ends soon
+            kinds[0], kinds[at] = kinds[at], kinds[0]
         for i, kind in enumerate(kinds):
             at = start + (cycle * len(FAULT_KINDS) + i + rng.uniform(0.0, 0.1)) * slot
             faults.append(Fault(kind, rng.randrange(replicas), at, rng.uniform(0.5, 0.85) * slot))

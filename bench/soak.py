@@ -513,11 +513,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     soak = Soak(config)
     print(f"soak: {config.duration_s:g} s, {config.replicas} replicas, logs in {soak.logs}", file=sys.stderr, flush=True)
     report = uvloop.run(soak.run())
+    if out is not None:
+        out.write_text(json.dumps(asdict(report), indent=1) + "\n")
     print(f"capacity {report.capacity_rps:.2f} generation requests/s; {report.requests} requests in "
           f"{report.phases['load_s']:.0f} s, the last answered at {report.phases['last_answer_s']:.0f} s\n")
     print(report.table())
-    if out is not None:
-        out.write_text(json.dumps(asdict(report), indent=1) + "\n")
     sys.exit(0 if report.ok else 1)
 
 
