@@ -15,6 +15,7 @@ import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import replace
 
+from .admin import AdminApi, is_admin_path, relay
 from .config import GatewayConfig
 from .control import ControlPlane
 from .discovery import Resolver
@@ -56,7 +57,8 @@ class Gateway:
     """
 
     def __init__(self, config: GatewayConfig, resolver: Resolver | None = None,
-                 rng: random.Random | None = None, *, table: LoadTable | None = None, row: int = 1) -> None:
+                 rng: random.Random | None = None, *, table: LoadTable | None = None, row: int = 1,
+                 admin_socket: str | None = None) -> None:
         self.config = config
         # the admission queue's bound is the gateway's: each worker holds its share
         queue = replace(config.queue, max_size=math.ceil(config.queue.max_size / config.workers))
@@ -69,6 +71,9 @@ class Gateway:
         self.control = (ControlPlane(config, self.table, range(1, 2), resolver, on_change=self.follower.sync)
                         if own else None)
         self.follower.sync()
+        # the admin API acts on the control plane: here in one process, in the supervisor (a Unix socket) with N
+        self._admin = AdminApi(self.control) if self.control is not None else None
+        self._admin_socket = admin_socket
         self.metrics = Metrics(self.router, self.table, row, range(1, self.table.rows))
         self.counter = TokenCounter.from_sources(config.tokenizer_map())  # at start: never from a request
         self.proxy: Proxy | None = None
@@ -154,7 +159,9 @@ class Gateway:
             return error_response(exc)
 
     def _elsewhere(self, request: Request) -> Route:
-        """Any other /v1 path, or a 405 for a wrong method on a path of the gateway's own, or a 404."""
+        """Any other /v1 path, the admin API, or a 405 for a wrong method on a path of the gateway's own, or a 404."""
+        if self.config.admin_key and is_admin_path(request.path):
+            return self._admin_api
         allowed = _OWN_METHODS.get(request.path.rstrip("/"))
         if allowed and request.method != allowed and not (allowed == "GET" and request.method == "HEAD"):
             raise GatewayError(405, f"{request.method} is not allowed on {request.path}; use {allowed}",
@@ -181,6 +188,14 @@ class Gateway:
         assert self.proxy is not None
         return await self.proxy.forward(request, responder, other_info(request.body), request_id)
 
+    async def _admin_api(self, request: Request, responder: Responder, request_id: str) -> Response:
+        """/admin/replicas: answered here in one process, by the supervisor with N workers (gateway/admin.py)."""
+        if self._admin is not None:
+            return await self._admin.handle(request)
+        if self._admin_socket is not None:
+            return await relay(self._admin_socket, request)
+        raise GatewayError(503, "the admin API is not available in this process", code="admin_unavailable")
+
     async def _models(self, request: Request, responder: Responder, request_id: str) -> Response:
         """The union of the healthy replicas' models."""
         cards: dict[str, dict[str, object]] = {}
@@ -204,9 +219,10 @@ class Gateway:
 @contextlib.asynccontextmanager
 async def running(config: GatewayConfig, resolver: Resolver | None = None, rng: random.Random | None = None,
                   grace_s: float = 30.0, *, table: LoadTable | None = None, row: int = 1,
-                  sock: socket.socket | None = None) -> AsyncIterator[tuple[Gateway, int]]:
+                  sock: socket.socket | None = None, admin_socket: str | None = None
+                  ) -> AsyncIterator[tuple[Gateway, int]]:
     """The gateway serving on `config.host`:`config.port`, or on `sock` (the bound port is yielded: useful with 0)."""
-    gateway = Gateway(config, resolver, rng, table=table, row=row)
+    gateway = Gateway(config, resolver, rng, table=table, row=row, admin_socket=admin_socket)
     await gateway.start()
     clients = config.clients
     server = HttpServer(gateway.handle, config.max_body_bytes, clients.keepalive_s,

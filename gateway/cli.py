@@ -33,6 +33,7 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--queue-size", type=int, help="admission queue bound (0: no queue)")
     serve.add_argument("--api-key", action="append", metavar="KEY", help="accept this client key (repeatable)")
     serve.add_argument("--upstream-api-key", metavar="KEY", help="send this key to the replicas")
+    serve.add_argument("--admin-key", metavar="KEY", help="turn on the admin API (/admin/replicas) for this key")
     serve.add_argument("--log-level", choices=("debug", "info", "warning", "error"))
     serve.add_argument("--workers", metavar="N", help="worker processes on the one port (default 1; auto: one per CPU)")
     return parser
@@ -47,7 +48,7 @@ def build_config(args: argparse.Namespace) -> GatewayConfig:
         data["replicas"] = list(data.get("replicas") or []) + list(args.replica)
     for flag, key in (("host", "host"), ("port", "port"), ("policy", "policy"),
                       ("default_max_tokens", "default_max_tokens"), ("upstream_api_key", "upstream_api_key"),
-                      ("log_level", "log_level")):
+                      ("admin_key", "admin_key"), ("log_level", "log_level")):
         if getattr(args, flag) is not None:
             data[key] = getattr(args, flag)
     if args.api_key:

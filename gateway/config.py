@@ -30,12 +30,14 @@ YAML (every key optional; flags given on the command line win over the file):
       max_connections: null               # per worker; null: (file-descriptor limit - 64) / 2
     api_keys: [sk-client-1]               # clients must send one of these as a Bearer token
     upstream_api_key: sk-upstream         # sent to the replicas
+    admin_key: sk-admin                   # turns on the admin API (/admin/replicas) for this Bearer token
 """
 
 from __future__ import annotations
 
 import math
 import os
+import re
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -45,6 +47,7 @@ import yaml
 
 from .speed import Speed, SpeedError
 
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
 POLICY_NAMES = ("prefix_affinity", "estimated_ttft", "least_outstanding_tokens", "round_robin", "random",
                 "least_requests", "power_of_two")
 DEFAULT_POLICY = POLICY_NAMES[0]
@@ -74,15 +77,28 @@ class ReplicaConfig:
     """One replica: where it is, its relative capacity, its admission caps (None: uncapped), its vLLM batch cap
     (None: read from its metrics, else its max_requests) and its measured speed (None: the defaults)."""
 
+    @property
+    def id(self) -> str:
+        """Its name, or host:port: how the admin API's paths name it."""
+        if self.name:
+            return self.name
+        parts = urlsplit(self.url)
+        host = f"[{parts.hostname}]" if ":" in (parts.hostname or "") else parts.hostname
+        return f"{host}:{parts.port or (443 if parts.scheme == 'https' else 80)}"
+
     url: str
     weight: float = 1.0
     max_requests: int | None = None
     max_outstanding_tokens: int | None = None
     max_num_seqs: int | None = None
     speed: Speed | None = None
+    name: str | None = None  # what the admin API calls it (default: host:port)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "url", _check_url(self.url))
+        if self.name is not None and (not isinstance(self.name, str) or not _NAME.fullmatch(self.name)):
+            raise ConfigError(f"replica {self.url!r} name must be letters, digits, '.', '_' or '-' (at most 63), "
+                              f"got {self.name!r}")
         _positive(f"replica {self.url!r} weight", self.weight)
         if self.speed is not None and not isinstance(self.speed, Speed):
             try:
@@ -246,6 +262,7 @@ class GatewayConfig:
     clients: ClientConfig = field(default_factory=ClientConfig)
     api_keys: tuple[str, ...] = ()
     upstream_api_key: str | None = None
+    admin_key: str | None = None
     log_level: str = "info"
 
     def __post_init__(self) -> None:
@@ -254,6 +271,10 @@ class GatewayConfig:
         urls = [r.url for r in self.replicas]
         if len(set(urls)) != len(urls):
             raise ConfigError(f"replicas are listed twice: {sorted(u for u in set(urls) if urls.count(u) > 1)}")
+        ids = [r.id for r in self.replicas]
+        if len(set(ids)) != len(ids):
+            raise ConfigError(f"replica names (or host:port) are not unique: "
+                              f"{sorted(i for i in set(ids) if ids.count(i) > 1)}")
         if self.policy not in POLICY_NAMES:
             raise ConfigError(f"policy {self.policy!r} is not one of {', '.join(POLICY_NAMES)}")
         if not isinstance(self.port, int) or not 0 <= self.port < 65536:
@@ -265,6 +286,10 @@ class GatewayConfig:
         workers_value(self.workers)
         if any(not isinstance(k, str) or not k for k in self.api_keys):
             raise ConfigError("api_keys must be non-empty strings")
+        if self.admin_key is not None and (not isinstance(self.admin_key, str) or not self.admin_key):
+            raise ConfigError("admin_key must be a non-empty string")
+        if self.admin_key is not None and self.admin_key in self.api_keys:
+            raise ConfigError("admin_key must not also be a client API key")
         if self.log_level.lower() not in ("debug", "info", "warning", "error"):
             raise ConfigError(f"log_level must be debug, info, warning or error, got {self.log_level!r}")
 

@@ -525,6 +525,20 @@ class HttpServer:
         logger.info("accepting up to %d client connections", self.max_connections)
         return int(self._listeners[0].getsockname()[1])
 
+    async def start_unix(self, path: str) -> None:
+        """Listen on a Unix socket (the supervisor's admin API, for its workers)."""
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.bind(path)
+            sock.listen(64)
+        except BaseException:
+            sock.close()
+            raise
+        sock.setblocking(False)
+        self._listeners = [sock]
+        self._spare = _reserve()
+        self._resume_accepting()
+
     # -- accepting ----------------------------------------------------------------------------------------------
     def _accept(self, listener: socket.socket) -> None:
         """Accept what is waiting, while there is room (connections, then refusals); else stop until one closes."""

@@ -38,7 +38,8 @@ async def serve(spec: dict[str, Any]) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     loop.add_signal_handler(signal.SIGHUP, lambda: None)  # the supervisor's business: it replaces the workers
-    async with running(config, grace_s=GRACE_S, table=table, row=row, sock=sock):
+    async with running(config, grace_s=GRACE_S, table=table, row=row, sock=sock,
+                       admin_socket=spec.get("admin_socket")):
         orphan = asyncio.create_task(_until_orphaned(int(spec["parent"]), stop))
         await stop.wait()
         orphan.cancel()

@@ -25,13 +25,17 @@ import os
 import signal
 import socket
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
+from .admin import AdminApi
 from .config import GatewayConfig, to_mapping
 from .control import ControlPlane
 from .discovery import Resolver
+from .server import HttpServer
 from .table import H_HI, H_RESTARTS, R_HEARTBEAT, R_STATE, STATE_READY, LoadTable
 
 logger = logging.getLogger(__name__)
@@ -90,6 +94,8 @@ class Supervisor:
         self.control = ControlPlane(config, self.table, range(1, self.table.rows), resolver)
         self.sockets = listen_sockets(config.host, config.port, config.workers)
         self.port = int(self.sockets[0].getsockname()[1])
+        self._admin_dir = tempfile.TemporaryDirectory(prefix="gateway-admin-")  # mode 0700: ours alone
+        self.admin_socket = str(Path(self._admin_dir.name) / "admin.sock")
         self.workers: dict[int, _Worker] = {}  # by row
         self._failures: dict[int, int] = {}  # quick deaths in a row, by position
         self._starting: set[int] = set()
@@ -98,6 +104,7 @@ class Supervisor:
     async def run(self, stop: asyncio.Event, hup: asyncio.Event | None = None) -> None:
         """Serve until `stop` is set, then drain every worker; `hup` set: reload and replace the workers."""
         await self.control.start()
+        admin = await self._serve_admin()
         try:
             await asyncio.gather(*(self._start(p) for p in range(self.config.workers)))
             if not all(w.ready for w in self.workers.values()):
@@ -114,6 +121,8 @@ class Supervisor:
                     await asyncio.wait_for(stop.wait(), TICK_S)
         finally:
             await self._stop_all()
+            await admin.close(0)
+            self._admin_dir.cleanup()
             await self.control.stop()
             for sock in set(self.sockets):
                 sock.close()
@@ -121,6 +130,12 @@ class Supervisor:
                 os.close(self.table.fd)
 
     # -- starting -----------------------------------------------------------------------------------------------
+    async def _serve_admin(self) -> HttpServer:
+        """The admin API on a Unix socket in a private directory: workers pass /admin/* requests on to it."""
+        server = HttpServer(AdminApi(self.control).handle, max_body=65536)
+        await server.start_unix(self.admin_socket)
+        return server
+
     async def _start(self, position: int) -> _Worker:
         row = next(r for r in range(1, self.table.rows) if r not in self.workers and r not in self._starting)
         self._starting.add(row)  # workers start side by side: no two may take one row
@@ -128,7 +143,7 @@ class Supervisor:
         self.table.cells[H_HI] = max(int(self.table.cells[H_HI]), row + 1)  # readers include it before it serves
         sock = self.sockets[position]
         spec = {"config": to_mapping(self.config), "row": row, "table_fd": self.table.fd,
-                "socket_fd": sock.fileno(), "parent": os.getpid()}
+                "socket_fd": sock.fileno(), "parent": os.getpid(), "admin_socket": self.admin_socket}
         assert self.table.fd is not None
         try:
             process = await asyncio.create_subprocess_exec(
