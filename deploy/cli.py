@@ -21,6 +21,7 @@ from deploy.launch import DEFAULT_MODEL, DEFAULT_PORT, DEFAULT_REPLICAS, PlanOpt
 from deploy.models import ModelError, ResolvedModel, resolve
 from deploy.plan import Plan, PlanError, load
 from deploy.process import StopFlag
+from deploy.rolling import RollingConfig, RollingError, rolling_restart
 from deploy.tinymodel import ensure_tiny_model
 from deploy.up import DeployError, UpConfig, run
 from gateway.config import DEFAULT_POLICY, POLICY_NAMES
@@ -55,6 +56,8 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--startup-timeout", type=float, default=600.0, help="seconds a replica may take to get healthy")
     up.add_argument("--hub-timeout", type=float, default=5.0, help="seconds to wait for the Hugging Face hub")
     up.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
+    up.add_argument("--admin-key", help="the gateway's admin API key (default: a new random one, written to "
+                    "RUN_DIR/admin.key)")
     up.add_argument("vllm_args", nargs="*", metavar="-- VLLM_ARGS", help="extra arguments for every replica")
     status = sub.add_parser("status", help="show the running deployment's replicas and gateway")
     status.add_argument("--run-dir", type=Path)
@@ -62,6 +65,16 @@ def _parser() -> argparse.ArgumentParser:
     down = sub.add_parser("down", help="stop the deployment running with this run directory (SIGTERM)")
     down.add_argument("--run-dir", type=Path)
     down.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for it to stop")
+    restart = sub.add_parser("restart", help="restart the replicas one at a time without failing a request",
+                             description="Drain a replica in the gateway, restart it, add it back once healthy; "
+                                         "then the next one.")
+    restart.add_argument("--rolling", action="store_true", required=True,
+                         help="one replica at a time (the only way there is: the others serve meanwhile)")
+    restart.add_argument("--run-dir", type=Path)
+    restart.add_argument("--drain-timeout", type=float, default=300.0,
+                         help="seconds a replica's requests may take to finish (default 300)")
+    restart.add_argument("--startup-timeout", type=float, default=600.0,
+                         help="seconds a restarted replica may take to get healthy (default 600)")
     tiny = sub.add_parser("tiny-model", help="make (once) the tiny offline model and print its directory")
     tiny.add_argument("--dir", type=Path, help="where (default ~/.cache/smallserve/models/tiny-opt)")
     return parser
@@ -118,7 +131,7 @@ def build_up_config(args: argparse.Namespace) -> UpConfig:
     return UpConfig(plan=plan, launches=tuple(launches(plan, hardware)), hardware=hardware,
                     run_dir=args.run_dir or run_state.default_run_dir(), model_label=label, host=args.host,
                     mps=args.mps and bool(hardware.gpus), startup_timeout_s=args.startup_timeout,
-                    log_level=args.log_level)
+                    log_level=args.log_level, admin_key=args.admin_key)
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -165,12 +178,25 @@ def cmd_down(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_restart(args: argparse.Namespace) -> int:
+    config = RollingConfig(args.run_dir or run_state.default_run_dir(), drain_timeout_s=args.drain_timeout,
+                           start_timeout_s=args.startup_timeout)
+    try:
+        rolling_restart(config, lambda line: print(line, file=sys.stderr, flush=True))
+    except RollingError as exc:
+        print(f"deploy restart: {exc}", file=sys.stderr)
+        return 1
+    print("deploy: every replica restarted", file=sys.stderr)
+    return 0
+
+
 def cmd_tiny_model(args: argparse.Namespace) -> int:
     print(ensure_tiny_model(args.dir))
     return 0
 
 
-COMMANDS = {"up": cmd_up, "status": cmd_status, "down": cmd_down, "tiny-model": cmd_tiny_model}
+COMMANDS = {"up": cmd_up, "status": cmd_status, "down": cmd_down, "restart": cmd_restart,
+            "tiny-model": cmd_tiny_model}
 
 
 def main(argv: Sequence[str] | None = None) -> None:

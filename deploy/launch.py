@@ -135,11 +135,12 @@ def replica_url(spec: ReplicaSpec, host: str = "127.0.0.1") -> str:
 
 
 def gateway_config(plan: Plan, *, host: str = "0.0.0.0", replica_host: str = "127.0.0.1",
-                   tokenizers: Mapping[str, str] | None = None, log_level: str = "info") -> dict[str, Any]:
+                   tokenizers: Mapping[str, str] | None = None, log_level: str = "info",
+                   admin_key: str | None = None) -> dict[str, Any]:
     """The gateway's YAML config (see gateway/config.py) for the plan's replicas and admission caps."""
     replicas = []
     for spec in plan.replicas:
-        entry: dict[str, Any] = {"url": replica_url(spec, replica_host), "weight": 1.0}
+        entry: dict[str, Any] = {"url": replica_url(spec, replica_host), "name": spec.name, "weight": 1.0}
         if spec.max_num_seqs is not None:
             entry["max_num_seqs"] = spec.max_num_seqs
         if spec.speed is not None:
@@ -157,6 +158,8 @@ def gateway_config(plan: Plan, *, host: str = "0.0.0.0", replica_host: str = "12
     }
     if tokenizers:
         config["tokenizers"] = dict(tokenizers)
+    if admin_key:
+        config["admin_key"] = admin_key
     return config
 
 

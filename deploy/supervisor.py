@@ -104,6 +104,22 @@ class Supervisor:
                 slot.status, lambda s: None)(slot)
         return self.views() != before
 
+    def restart(self, name: str) -> bool:
+        """Stop the process called `name` (SIGTERM, then SIGKILL past its grace) and start it again at once.
+
+        A restart asked for (`deploy restart --rolling`), not a failure: no backoff, and the failure count stays.
+        """
+        slot = next((s for s in self.slots if s.proc.name == name), None)
+        if slot is None:
+            logger.warning("restart of %s asked for, but no process has that name", name)
+            return False
+        slot.proc.stop()
+        slot.proc.start()
+        slot.restarts += 1
+        slot.status, slot.healthy, slot.healthy_since, slot.started_at = "starting", False, None, self.clock()
+        logger.info("%s restarted on request (restart %d), pid %s", name, slot.restarts, slot.proc.pid)
+        return True
+
     def stop_all(self, order: Sequence[Slot] | None = None) -> None:
         """Stop every process (in `order`, default: last added first)."""
         for slot in order if order is not None else reversed(self.slots):

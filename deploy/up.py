@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import secrets
 import socket
 import sys
 import time
@@ -18,7 +19,9 @@ from pathlib import Path
 
 import yaml
 
+from deploy import control
 from deploy import state as run_state
+from deploy.control import ADMIN_KEY_FILE
 from deploy.hardware import Hardware
 from deploy.launch import Launch, gateway_config, local_tokenizers
 from deploy.mps import MpsDaemon
@@ -54,6 +57,7 @@ class UpConfig:
     base_env: Mapping[str, str] | None = None  # default: this process's environment
     python: str = sys.executable
     log_level: str = "info"
+    admin_key: str | None = None  # the gateway's admin API key (default: a new random one, in run_dir/admin.key)
 
 
 def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
@@ -87,16 +91,26 @@ def check_not_running(run_dir: Path) -> None:
 
 def gateway_process(config: UpConfig, env: Mapping[str, str]) -> tuple[ManagedProcess, str]:
     """The gateway subprocess, its config written to the run directory; and its URL."""
+    key = config.admin_key or secrets.token_urlsafe(24)
     data = gateway_config(config.plan, host=config.host, replica_host=config.replica_host,
-                          tokenizers=local_tokenizers(config.plan), log_level=config.log_level)
+                          tokenizers=local_tokenizers(config.plan), log_level=config.log_level, admin_key=key)
     path = config.run_dir / "gateway.yaml"
-    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    write_private(path, yaml.safe_dump(data, sort_keys=False))  # it holds the admin key
+    write_private(config.run_dir / ADMIN_KEY_FILE, key + "\n")  # for `deploy restart --rolling`
     local = "127.0.0.1" if config.host in ("0.0.0.0", "::", "") else config.host
     url = f"http://{local}:{config.plan.gateway.port}"
     argv = [config.python, "-m", "gateway.cli", "serve", "--config", str(path)]
     proc = ManagedProcess("gateway", argv, config.run_dir / "logs" / "gateway.log", f"{url}/health", env,
                           startup_timeout_s=60.0, stop_grace_s=config.stop_grace_s)
     return proc, url
+
+
+def write_private(path: Path, text: str) -> None:
+    """Write a file only its owner can read (it holds a key)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)  # an existing file keeps its mode through O_CREAT
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
 
 
 def wait_url(url: str, timeout_s: float, cancel: CancelToken) -> bool:
@@ -164,6 +178,8 @@ class Deployment:
         """Restart what dies until `cancel` is set; keep the state file current."""
         last_write = time.monotonic()
         while not cancel.wait(TICK_S):
+            for name in control.take_restarts(self.config.run_dir):
+                self.supervisor.restart(name)
             changed = self.supervisor.tick()
             if changed or time.monotonic() - last_write > STATE_REFRESH_S:
                 self.write_state()
