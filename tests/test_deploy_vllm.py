@@ -13,6 +13,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -253,6 +254,53 @@ def test_killed_replica_is_routed_around_restarted_and_taken_back(deployment: De
             return raw.headers["x-gateway-replica"]
         with ThreadPoolExecutor(8) as pool:
             assert victim["url"] in set(pool.map(one, range(16)))
+
+
+def test_rolling_restart_under_load_fails_no_request(deployment: Deployment) -> None:
+    """`deploy restart --rolling` while two clients keep sending (one streaming): every replica is restarted (one
+    at a time: drained in the gateway, restarted, taken back) and not one request fails."""
+    before = deployment.state()
+    stop = threading.Event()
+    done: list[str] = []
+    failures: list[str] = []
+
+    def client(i: int) -> None:
+        with deployment.client() as openai_client:
+            while not stop.wait(0.2):  # a steady load that leaves the restarting replica a core to start on
+                try:
+                    if i % 2:
+                        chunks = list(openai_client.completions.create(
+                            model=MODEL, prompt=f"rolling {i}", max_tokens=8, stream=True,
+                            extra_body={"ignore_eos": True}))
+                        assert [c for c in chunks if c.choices][-1].choices[0].finish_reason == "length"
+                    else:
+                        answer = openai_client.completions.create(model=MODEL, prompt=f"rolling {i}", max_tokens=8,
+                                                                  extra_body={"ignore_eos": True})
+                        assert answer.usage is not None and answer.usage.completion_tokens == 8
+                    done.append("ok")
+                except Exception as exc:  # any failure at all is what this test counts
+                    failures.append(repr(exc))
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    try:
+        result = subprocess.run([sys.executable, "-m", "deploy.cli", "restart", "--rolling", "--run-dir",
+                                 str(deployment.run_dir), "--startup-timeout", "300"],
+                                capture_output=True, text=True, timeout=900,
+                                cwd=Path(__file__).resolve().parent.parent)
+        served = len(done)
+        wait_for(lambda: len(done) > served + 8, 60, "requests after the restart", deployment)
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    after = deployment.state()
+    assert failures == [] and len(done) > 20
+    for old, new in zip(before["replicas"], after["replicas"]):
+        assert new["pid"] != old["pid"] and new["restarts"] == old["restarts"] + 1 and new["healthy"]
+    assert after["gateway"]["pid"] == before["gateway"]["pid"]
 
 
 def test_sigterm_stops_every_process_and_frees_the_ports(deployment: Deployment) -> None:

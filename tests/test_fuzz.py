@@ -1,6 +1,6 @@
 """Fuzzing the gateway's HTTP server, replica client and request parsing (harnesses: tests/fuzz/harness.py).
 
-Bounded for CI (about 30 s in all): hypothesis draws `SMALLSERVE_FUZZ_EXAMPLES` inputs per test (default 150)
+Bounded for CI (about 20 s in all): hypothesis draws `SMALLSERVE_FUZZ_EXAMPLES` inputs per test (default 100)
 and atheris runs each target for a few seconds of coverage-guided inputs (`SMALLSERVE_ATHERIS_SCALE` multiplies
 their number). Longer runs and what they found: docs/fuzzing.md.
 """
@@ -20,10 +20,10 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from tests.fuzz.harness import ClientRequest, Reply, Session, gateway_bytes, parse_body, relay_answers, serve_bytes
 from tests.fuzz.strategies import client_requests, client_streams, http_requests, mutated, replies, request_bodies
 
-EXAMPLES = int(os.environ.get("SMALLSERVE_FUZZ_EXAMPLES", "150"))
-# runs per target: what each does in about 3 s here (the replica target runs the whole gateway per input)
+EXAMPLES = int(os.environ.get("SMALLSERVE_FUZZ_EXAMPLES", "100"))
+# runs per target: what each does in about 2 s here (the replica target runs the whole gateway per input)
 ATHERIS_SCALE = float(os.environ.get("SMALLSERVE_ATHERIS_SCALE", "1"))
-ATHERIS_RUNS = {"server": 2000, "gateway": 1500, "replica": 400, "parsing": 5000}
+ATHERIS_RUNS = {"server": 1500, "gateway": 1000, "replica": 250, "parsing": 5000}
 FUZZ = settings(max_examples=EXAMPLES, deadline=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much])
 ROOT = Path(__file__).resolve().parent.parent
