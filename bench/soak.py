@@ -76,7 +76,8 @@ class SoakConfig:
     seed: int = 0
     low: float = 0.7
     high: float = 1.1
-    deadline_s: float = 120.0  # a request without an outcome by then is hung
+    stall_s: float = 60.0  # a request that gets no byte for this long is hung (the gateway's timeouts are shorter)
+    cap_s: float = 600.0  # ... and one without an outcome by then
     sample_s: float = 2.0
     logs: Path | None = None
 
@@ -158,10 +159,11 @@ def replica_argv(port: int, seed: int) -> list[str]:
 
 
 def gateway_config(port: int, injectors: Sequence[Injector]) -> dict[str, Any]:
-    """Short timeouts (a frozen replica is noticed in seconds) and admission caps with a queue (429s past it)."""
+    """Short timeouts (a frozen replica is noticed in seconds); a replica's batch cap as its admission cap (as
+    `deploy up` does: requests wait in the gateway's queue, 429s past it, rather than silently in a replica's)."""
     return {
         "host": "127.0.0.1", "port": port, "policy": "least_outstanding_tokens",
-        "replicas": [{"url": f"http://127.0.0.1:{i.port}", "max_requests": 2 * MAX_NUM_SEQS} for i in injectors],
+        "replicas": [{"url": f"http://127.0.0.1:{i.port}", "max_requests": MAX_NUM_SEQS} for i in injectors],
         "timeouts": {"connect_s": 2, "first_byte_s": 20, "idle_s": 8},
         "health": {"interval_s": 1, "timeout_s": 1}, "retry": {"max_attempts": 3, "max_time_s": 10},
         "queue": {"max_size": 64, "max_wait_s": 10}, "max_body_bytes": 65536, "log_level": "warning",
@@ -396,7 +398,8 @@ class Soak:
         capacity_rps = mix_capacity(config, random.Random(config.seed))
         await self.start()
         assert self.gateway is not None
-        clients = Clients("127.0.0.1", self.gateway.port, SERVED, config.deadline_s, random.Random(config.seed + 1))
+        clients = Clients("127.0.0.1", self.gateway.port, SERVED, config.stall_s, config.cap_s,
+                          random.Random(config.seed + 1))
         await clients.open()
         sampler: asyncio.Task[None] | None = None
         try:

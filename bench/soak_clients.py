@@ -8,7 +8,8 @@ and `malformed:*` (bad HTTP or bad JSON on a raw socket). Results:
 - error: an OpenAI-style error (status >= 400 with `{"error": {...}}`, or a final SSE error event and a clean end);
 - aborted: the client hung up on purpose;
 - broken: anything else (a cut stream, a reset, a body that is not what it should be);
-- hung: no outcome within the client's deadline.
+- hung: no byte for `stall_s` (the gateway's timeouts bound every silence well below it), or no outcome
+  within `cap_s` at all. A slow answer that keeps coming (a replica slowed ten times) is not hung.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import json
 import random
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,7 +27,8 @@ import aiohttp
 import httptools
 
 PROMPT_WORDS = ("the", "replica", "gateway", "token", "stream", "batch", "cache", "model", "queue", "answer")
-SLOW_TOKENS = 128
+SLOW_TOKENS = 64
+SLOW_READ = (256, 0.1)  # bytes per read, seconds between reads: slower than the tokens come (~1.5 KB/s)
 MALFORMED = ("bad-json", "unknown-model", "bad-type", "garbage", "huge-header", "too-large", "wrong-method")
 
 
@@ -138,7 +141,8 @@ class Clients:
     host: str
     port: int
     model: str
-    deadline_s: float
+    stall_s: float
+    cap_s: float
     rng: random.Random
     outcomes: dict[str, Outcome] = field(default_factory=dict)
     session: aiohttp.ClientSession | None = None
@@ -164,31 +168,36 @@ class Clients:
         return outcome
 
     async def send(self, kind: str) -> None:
-        """One request of `kind`; its outcome is recorded whatever happens (a hang within the deadline)."""
+        """One request of `kind`; its outcome is recorded whatever happens (a hang as `hung`)."""
         outcome = self.new(kind)
+        loop = asyncio.get_running_loop()
         try:
-            async with asyncio.timeout(self.deadline_s):
+            async with asyncio.timeout(self.cap_s), asyncio.timeout(self.stall_s) as stall:
+                def progress() -> None:
+                    stall.reschedule(loop.time() + self.stall_s)
                 if kind in ("json", "stream", "abort"):
-                    await self._ordinary(outcome, stream=kind != "json", hang_up_after=self.rng.randint(1, 4)
-                                         if kind == "abort" else None)
+                    await self._ordinary(outcome, progress, stream=kind != "json",
+                                         hang_up_after=self.rng.randint(1, 4) if kind == "abort" else None)
                 elif kind == "slow":
-                    await self._slow_reader(outcome)
+                    await self._slow_reader(outcome, progress)
                 else:
                     await self._malformed(outcome, kind.partition(":")[2])
         except TimeoutError:
             if outcome.result == "lost":
-                outcome.finish("hung", f"no outcome within {self.deadline_s:g} s")
+                outcome.finish("hung", f"no byte for {self.stall_s:g} s, or no outcome within {self.cap_s:g} s")
         except (aiohttp.ClientError, OSError, asyncio.IncompleteReadError, httptools.HttpParserError) as exc:
             if outcome.result == "lost":
                 outcome.finish("broken", repr(exc))
 
     # -- ordinary clients -----------------------------------------------------------------------------------------
-    async def _ordinary(self, outcome: Outcome, stream: bool, hang_up_after: int | None) -> None:
+    async def _ordinary(self, outcome: Outcome, progress: Callable[[], None], stream: bool,
+                        hang_up_after: int | None) -> None:
         assert self.session is not None
         shape = RequestShape.draw(self.rng)
         async with self.session.post(self.url + shape.path, json=shape.body(self.model, stream),
                                      headers={"X-Request-Id": outcome.request_id}) as resp:
             outcome.first_byte_at = time.monotonic()
+            progress()
             outcome.status = resp.status
             outcome.replica = resp.headers.get("x-gateway-replica", "")
             if resp.status != 200 or not stream:
@@ -196,6 +205,7 @@ class Clients:
                 return
             check = SseCheck()
             async for data in resp.content.iter_any():
+                progress()
                 check.feed(data)
                 if hang_up_after is not None and check.events >= hang_up_after and not (check.done or check.error):
                     resp.close()  # drops the connection: the gateway must abort the upstream request
@@ -230,11 +240,11 @@ class Clients:
             raise
         return await asyncio.open_connection(sock=sock, limit=2 ** 20)
 
-    async def _slow_reader(self, outcome: Outcome) -> None:
-        """A streamed request of 128 tokens read 512 bytes every 20 ms through a 4 KiB receive buffer."""
+    async def _slow_reader(self, outcome: Outcome, progress: Callable[[], None]) -> None:
+        """A streamed request read a little at a time, more slowly than it is generated, through a small buffer."""
         shape = RequestShape.draw(self.rng)
         body = json.dumps({**shape.body(self.model, True), "max_tokens": SLOW_TOKENS}).encode()
-        reader, writer = await self._open(rcvbuf=4096)
+        reader, writer = await self._open(rcvbuf=2048)
         try:
             writer.write(b"POST %b HTTP/1.1\r\nHost: soak\r\nContent-Type: application/json\r\nContent-Length: %d\r\n"
                          b"X-Request-Id: %b\r\nConnection: close\r\n\r\n%b"
@@ -242,13 +252,14 @@ class Clients:
             await writer.drain()
             response = _RawResponse()
             while not response.complete:
-                data = await reader.read(512)
+                data = await reader.read(SLOW_READ[0])
                 if not data:
                     break
+                progress()
                 if outcome.first_byte_at is None:
                     outcome.first_byte_at = time.monotonic()
                 response.feed(data)
-                await asyncio.sleep(0.02)
+                await asyncio.sleep(SLOW_READ[1])
         finally:
             writer.close()
         outcome.status, outcome.replica = response.status, response.headers.get("x-gateway-replica", "")
