@@ -29,6 +29,7 @@ import itertools
 import json
 import logging
 import re
+import selectors
 from collections import Counter, deque
 from collections.abc import Callable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -76,11 +77,45 @@ class _Errors(logging.Handler):
         self.records.append(f"{record.name}: {record.getMessage()} {record.exc_text or ''}")
 
 
+class _SpinGuard(selectors.DefaultSelector):
+    """A virtual-time selector that calls it a busy loop when the loop turns `limit` times without time passing.
+
+    Real time would pass while code spins; virtual time does not, so a callback or task that keeps rescheduling
+    itself would hang the harness instead of showing as a CPU spin.
+    """
+
+    def __init__(self, loop: VirtualTimeLoop, limit: int = 100_000) -> None:
+        super().__init__()
+        self._loop = loop
+        self._limit = limit
+        self._turns = 0
+
+    def select(self, timeout: float | None = None) -> list[tuple[selectors.SelectorKey, int]]:
+        events = super().select(0)
+        if not events and timeout is not None and timeout > 0:
+            self._loop.advance(timeout)
+            self._turns = 0
+        elif not events and timeout is None:
+            raise Broken("the event loop has nothing scheduled and nothing ready (a deadlock)")
+        else:
+            self._turns += 1
+            if self._turns > self._limit:
+                raise Broken(f"the event loop turned {self._limit} times without time passing (a busy loop)")
+        return events
+
+
+class _GuardedLoop(VirtualTimeLoop):
+    def __init__(self) -> None:
+        self._virtual_now = 0.0
+        asyncio.SelectorEventLoop.__init__(self, selector=_SpinGuard(self))
+        self._clock_resolution = 1e-9
+
+
 class Loop:
     """A fresh virtual-time loop that collects unhandled exceptions and logged errors; `close` raises them."""
 
     def __init__(self) -> None:
-        self.loop = VirtualTimeLoop()
+        self.loop = _GuardedLoop()
         self.errors: list[str] = []
         self.loop.set_exception_handler(lambda _, context: self.errors.append(
             f"{context.get('message')}: {context.get('exception')!r}"))
@@ -150,6 +185,7 @@ class MemoryTransport(asyncio.Transport):
         self._read_every_s = read_every_s
         self._unread = 0
         self._write_paused = False
+        self._eof = False  # the peer closed cleanly behind data not read yet
 
     # what the protocol calls
     def write(self, data: bytes | bytearray | memoryview) -> None:
@@ -222,6 +258,8 @@ class MemoryTransport(asyncio.Transport):
     def _flush(self) -> None:
         while self._pending and not self.paused and not self.closed:
             self.protocol.data_received(self._pending.popleft())
+        if self._eof and not self._pending and not self.paused:
+            self.peer_closed()
 
     def peer_closed(self, reset: bool = False) -> None:
         """The peer closed the connection (cleanly: what it sent is still read first; reset: it is dropped)."""
@@ -229,8 +267,8 @@ class MemoryTransport(asyncio.Transport):
             return
         if reset:
             self._pending.clear()
-        if self._pending:  # a clean close arrives after the data the peer sent before it
-            self._loop.call_soon(self.peer_closed, reset)
+        if self._pending or (self.paused and not reset):
+            self._eof = True  # a clean close is seen after the data sent before it, once reading resumes
             return
         self.closed = True
         self.protocol.connection_lost(ConnectionResetError("reset by peer") if reset else None)
