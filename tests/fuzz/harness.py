@@ -44,7 +44,7 @@ from gateway.config import from_mapping
 from gateway.errors import GatewayError
 from gateway.parsing import RequestInfo, parse
 from gateway.proxy import Proxy
-from gateway.server import HttpServer, Request, Responder, Response
+from gateway.server import Deadlines, HttpServer, Request, Responder, Response
 from gateway.tokens import TokenCounter
 from gateway.upstream import Origin, UpstreamPool
 from sim.vloop import VirtualTimeLoop
@@ -53,6 +53,8 @@ T = TypeVar("T")
 
 KEEPALIVE_S = 5.0
 DISCARD_S = 2.0
+# A half-sent head or body is bounded by these (the defaults, 20 s, would only stretch the virtual wait).
+DEADLINES = Deadlines(header_s=KEEPALIVE_S, body_s=KEEPALIVE_S)
 MAX_BODY = 2048
 FIRST_BYTE_S = 3.0
 IDLE_S = 2.0
@@ -399,7 +401,7 @@ class Session:
         async def recorder(request: Request, responder: Responder) -> Response | None:
             self.calls.append((request, responder))
             return await handle(request, responder)
-        self.server = HttpServer(recorder, MAX_BODY, keepalive_s=KEEPALIVE_S, discard_s=DISCARD_S)
+        self.server = HttpServer(recorder, MAX_BODY, keepalive_s=KEEPALIVE_S, discard_s=DISCARD_S, deadlines=DEADLINES)
         self._conn = server_module._Connection(self.server)
         self.transport = MemoryTransport(self._conn, window=256 if slow_reader else None)
         self._conn.connection_made(self.transport)
@@ -756,7 +758,7 @@ def relay_answers(requests: Sequence[ClientRequest], replies: Iterator[Reply], *
         def script(received: Received) -> Reply:
             return next(script_replies, Reply((), ending="close"))
         gateway, pool = _gateway(script, events)
-        server = HttpServer(gateway.handle, MAX_BODY, keepalive_s=KEEPALIVE_S, discard_s=DISCARD_S)
+        server = HttpServer(gateway.handle, MAX_BODY, keepalive_s=KEEPALIVE_S, discard_s=DISCARD_S, deadlines=DEADLINES)
         first_bytes: dict[str, int] = {}
         transports: list[MemoryTransport] = []
 
