@@ -93,7 +93,7 @@ async def test_list_get_and_unknown_ids(fake_replica: FakeFactory, gateway_for: 
 async def test_added_replica_is_probed_and_serves(fake_replica: FakeFactory, gateway_for: GatewayFactory) -> None:
     """POST adds a replica, healthy in the answer (probed first) and serving at once; the same again is a 409."""
     a, b = await fake_replica(), await fake_replica()
-    gw = await gateway_for([a.url], admin_key=ADMIN)
+    gw = await gateway_for([a.url], admin_key=ADMIN, policy="least_outstanding_tokens")  # by load alone: under prefix_affinity one repeated prompt keeps one replica
     async with aiohttp.ClientSession() as session:
         status, added = await call(session, "POST", gw.url + "/admin/replicas", {"url": b.url, "name": "b"})
         assert status == 201 and added["healthy"] is True and added["id"] == "b"
@@ -172,7 +172,7 @@ async def test_deleted_replica_leaves_at_once_and_its_stream_finishes(fake_repli
 async def test_admin_changes_reach_every_worker(fake_replica: FakeFactory, serve: ServeFactory) -> None:  # noqa: F811
     """With two workers the API (served by the supervisor) adds a replica both workers use, and drains it in both."""
     a, b = await fake_replica(), await fake_replica()
-    gw = await serve([a.url], admin_key=ADMIN)
+    gw = await serve([a.url], admin_key=ADMIN, policy="least_outstanding_tokens")  # by load alone: under prefix_affinity one repeated prompt keeps one replica
     async with aiohttp.ClientSession() as session:
         status, added = await call(session, "POST", gw.url + "/admin/replicas", {"url": b.url, "name": "b"})
         assert status == 201 and added["healthy"] is True

@@ -153,7 +153,7 @@ async def test_flood_of_unknown_models_grows_nothing(fake_replica: FakeFactory, 
     assert len(gw.gateway.counter) == 0
     assert (dict(metrics._counts), set(metrics._latency), set(metrics._store._index)) == answers
     assert "m-1" not in after
-    families = lambda text: sorted(line.split("{")[0] for line in text.splitlines() if not line.startswith("#"))
+    families = lambda text: sorted(re.split(r"[{ ]", line)[0] for line in text.splitlines() if not line.startswith("#"))
     assert families(after) == families(before)  # the same series (404s are not counted as rejections)
     assert len(after) < len(before) + 200
 
@@ -834,7 +834,9 @@ async def test_requests_import_and_open_nothing(fake_replica: FakeFactory, tmp_p
         proc.stdin.close()
         out, _ = await asyncio.wait_for(proc.communicate(), 30)
     events = [json.loads(line) for line in out.decode().splitlines() if line.strip()]
-    assert events == []
+    # /metrics's process_* series (prometheus-client's ProcessCollector) read /proc/self: fixed paths, never a
+    # client's data, and out of descriptors the collector leaves those series out (it catches OSError), not a 500.
+    assert [e for e in events if not e[1].startswith("('/proc/self/")] == []
 
 
 async def test_https_replicas_ca_bundle_is_read_at_start(gateway_for: GatewayFactory) -> None:

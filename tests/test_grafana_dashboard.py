@@ -64,7 +64,8 @@ async def gateway_scrape(fake_replica: FakeFactory, gateway_for: GatewayFactory)
     """The gateway's own /metrics once every series has a sample: streamed and whole answers (histograms), a
     retry (a replica answering 503) and a rejection (a wrong API key)."""
     good, refusing = await fake_replica(), await fake_replica(fail="refuse")
-    gw = await gateway_for([good.url, refusing.url], api_keys=["sk-test"])
+    # by load alone, so the refusing replica is tried first for some request (a retry), whatever the prompts
+    gw = await gateway_for([good.url, refusing.url], api_keys=["sk-test"], policy="least_outstanding_tokens")
     key = {"Authorization": "Bearer sk-test"}
     async with aiohttp.ClientSession() as session:
         for stream in (False, True, False, True):
