@@ -62,8 +62,12 @@ class SharedDevice:
         if generation != self._generation:
             return  # superseded: the set of jobs changed since this completion was scheduled
         self._advance()
-        done = []
         jobs = self._jobs
+        # The head job is due now by construction (the job set has not changed since this call was scheduled), even
+        # where the clock's rounding left its work a hair short: at a loop time of hours one ulp is ~1e-12 s, and
+        # waiting for the rest would schedule this same instant again forever.
+        self._work_clock = max(self._work_clock, jobs[0][0])
+        done = []
         while jobs and jobs[0][0] <= self._work_clock + _EPS:
             done.append(heapq.heappop(jobs)[2])
         self._reschedule()

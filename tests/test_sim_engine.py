@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 
@@ -124,6 +126,29 @@ def test_processor_sharing_device() -> None:
     clock.run()
     assert ends["a"] == pytest.approx(2.0) and ends["b"] == pytest.approx(2.0) and ends["c"] == pytest.approx(5.5)
     assert device.busy_s == pytest.approx(2.5)
+
+
+class BoundedClock(VirtualClock):
+    """A virtual clock that fails a run of more events than anything here needs (a livelock, not a hang)."""
+
+    def call_at(self, when: float, callback: Any, *args: Any) -> None:
+        assert self.events < 100_000, f"livelock at t={self.now()!r}"
+        super().call_at(when, callback, *args)
+
+
+@pytest.mark.parametrize("start", [0.0, 7 * 3600.0, 90 * 86400.0])
+def test_the_device_finishes_its_jobs_at_any_clock_reading(start: float) -> None:
+    """A loop clock reads the host's uptime: at hours or months one ulp of it exceeds the device's rounding
+    tolerance, and overlapping jobs of odd lengths still all finish, each near its processor-sharing time."""
+    clock = BoundedClock(start)
+    device = SharedDevice(clock)
+    ends: list[float] = []
+    works = [0.000123 * (k % 7 + 1) + 1e-7 * k for k in range(200)]
+    for k, work in enumerate(works):
+        clock.call_at(start + 0.0001 * k, device.submit, work, lambda: ends.append(clock.now()))
+    clock.run()
+    assert len(ends) == len(works)
+    assert max(ends) - start == pytest.approx(sum(works), rel=1e-6, abs=1e-6)
 
 
 def test_replicas_share_the_device_and_overlap_host_work() -> None:
