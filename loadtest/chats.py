@@ -24,7 +24,8 @@ from typing import Protocol
 
 import numpy as np
 
-from loadtest.workloads import EstimatedTokens, Tokens, TokenizerTokens, WorkloadSpec, read_json, synthetic_prompt
+from loadtest.workloads import (EstimatedTokens, Tokens, TokenizerTokens, WorkloadSpec, read_json, sharegpt_chat_texts,
+                                synthetic_prompt)
 
 CHAT_OVERHEAD_TOKENS = 4  # what a chat template adds per message, about
 
@@ -112,23 +113,8 @@ class ShareGptChats:
 
 def parse_sharegpt_chats(data: object, tokens: Tokens) -> list[tuple[tuple[str, int, int], ...]]:
     """Each conversation's (human message, its tokens, the reply's tokens), up to its first malformed turn."""
-    if not isinstance(data, list):
-        raise ValueError("a ShareGPT dataset is a JSON list of {\"conversations\": [...]} objects")
-    chats = []
-    for item in data:
-        turns = item.get("conversations") if isinstance(item, dict) else None
-        if not isinstance(turns, list):
-            continue
-        pairs = []
-        for human, gpt in zip(turns[::2], turns[1::2]):
-            if not (isinstance(human, dict) and isinstance(gpt, dict)) or human.get("from") != "human" \
-                    or not human.get("value") or not gpt.get("value"):
-                break
-            message = str(human["value"])
-            pairs.append((message, tokens.count(message), max(1, tokens.count(str(gpt["value"])))))
-        if pairs:
-            chats.append(tuple(pairs))
-    return chats
+    return [tuple((message, tokens.count(message), max(1, tokens.count(reply))) for message, reply in chat)
+            for chat in sharegpt_chat_texts(data)]
 
 
 def build_chats(spec: WorkloadSpec) -> Chats:

@@ -222,6 +222,26 @@ def read_json(path: str) -> object:
         raise ValueError(f"dataset {path!r} is not JSON: {e}") from e
 
 
+def sharegpt_chat_texts(data: object) -> list[list[tuple[str, str]]]:
+    """Each ShareGPT conversation's (human message, reply) texts, up to its first malformed or empty turn."""
+    if not isinstance(data, list):
+        raise ValueError("a ShareGPT dataset is a JSON list of {\"conversations\": [...]} objects")
+    chats = []
+    for item in data:
+        turns = item.get("conversations") if isinstance(item, dict) else None
+        if not isinstance(turns, list):
+            continue
+        pairs = []
+        for human, gpt in zip(turns[::2], turns[1::2]):
+            if not (isinstance(human, dict) and isinstance(gpt, dict)) or human.get("from") != "human" \
+                    or not human.get("value") or not gpt.get("value"):
+                break
+            pairs.append((str(human["value"]), str(gpt["value"])))
+        if pairs:
+            chats.append(pairs)
+    return chats
+
+
 def parse_sharegpt(data: object, tokens: Tokens) -> list[tuple[str, int, int]]:
     """(prompt, prompt tokens, reply tokens) from ShareGPT JSON: a list of
     {"conversations": [{"from": "human", "value": ...}, {"from": "gpt", "value": ...}, ...]}."""

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from loadtest.workloads import sharegpt_chat_texts
+
 REFERENCE_PROMPT_MEAN = 110.6
 REFERENCE_OUTPUT_MEAN = 291.6
 
@@ -196,24 +198,10 @@ def sharegpt_conversations(data: object, rate: float, rng: np.random.Generator, 
     Lengths are estimated at `bytes_per_token`; conversations are taken in a seeded order, starting at `rate`
     per second (Poisson), each cut where its prompt plus reply would pass `max_len`.
     """
-    if not isinstance(data, list):
-        raise ValueError("a ShareGPT dataset is a JSON list of {\"conversations\": [...]} objects")
-    chats = []
-    for item in data:
-        turns = item.get("conversations") if isinstance(item, dict) else None
-        if not isinstance(turns, list):
-            continue
-        pairs = []
-        for human, gpt in zip(turns[::2], turns[1::2]):
-            if not (isinstance(human, dict) and isinstance(gpt, dict)) or human.get("from") != "human":
-                break
-            u = -(-len(str(human.get("value") or "").encode()) // bytes_per_token)
-            o = -(-len(str(gpt.get("value") or "").encode()) // bytes_per_token)
-            if u < 1 or o < 1:
-                break
-            pairs.append((u, o))
-        if pairs:
-            chats.append(pairs)
+    def tokens(text: str) -> int:
+        return -(-len(text.encode()) // bytes_per_token)
+
+    chats = [[(tokens(u), tokens(o)) for u, o in chat] for chat in sharegpt_chat_texts(data)]
     if not chats:
         raise ValueError("the dataset has no conversation that starts with a human turn and a reply")
     order = rng.permutation(len(chats))

@@ -12,17 +12,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
-from deploy.tinymodel import default_cache_dir
+from deploy.tinymodel import default_cache_dir, make_atomically
 from synthetic.catalog import Entry, entry
-
-logger = logging.getLogger(__name__)
 
 GENERATOR_VERSION = 1  # bump when the files made here change, so cached directories are remade
 FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -44,22 +38,8 @@ def ensure_synthetic_model(name: str, cache: Path | None = None) -> Path:
     """Return the directory of `synthetic:NAME`, making it first if it is not there."""
     item = entry(name)
     target = model_dir(item.name, cache)
-    if is_complete(target):
-        return target
-    logger.info("making the synthetic model %s in %s", item.name, target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    scratch = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
-    try:
-        write_model(item, scratch)
-        if is_complete(target):  # someone else finished first
-            return target
-        if target.exists():
-            shutil.rmtree(target)
-        os.replace(scratch, target)
-    finally:
-        if scratch.exists():
-            shutil.rmtree(scratch)
-    return target
+    return make_atomically(target, lambda scratch: write_model(item, scratch), is_complete,
+                           f"the synthetic model {item.name}")
 
 
 def write_model(item: Entry, path: Path) -> None:
