@@ -54,6 +54,9 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--mps", action="store_true", help="run an NVIDIA MPS control daemon for the replicas")
     up.add_argument("--run-dir", type=Path, help="state, logs and gateway config (default ~/.cache/smallserve/run)")
     up.add_argument("--startup-timeout", type=float, default=600.0, help="seconds a replica may take to get healthy")
+    up.add_argument("--silent-start-timeout", type=float, default=180.0,
+                    help="a restarted replica whose log stays silent this many seconds is wedged: stopped and "
+                         "started again (default 180; 0: never)")
     up.add_argument("--hub-timeout", type=float, default=5.0, help="seconds to wait for the Hugging Face hub")
     up.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
     up.add_argument("--admin-key", help="the gateway's admin API key (default: a new random one, written to "
@@ -121,6 +124,8 @@ def build_up_config(args: argparse.Namespace) -> UpConfig:
     for name in ("startup_timeout", "hub_timeout"):
         if getattr(args, name) <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)!r}")
+    if args.silent_start_timeout < 0:
+        raise ValueError(f"--silent-start-timeout must be 0 (off) or positive, got {args.silent_start_timeout!r}")
     hardware = detect(args.device)
     plan = build_plan(args, hardware)
     resolved = resolve_models(plan, args.hub_timeout)
@@ -131,6 +136,7 @@ def build_up_config(args: argparse.Namespace) -> UpConfig:
     return UpConfig(plan=plan, launches=tuple(launches(plan, hardware)), hardware=hardware,
                     run_dir=args.run_dir or run_state.default_run_dir(), model_label=label, host=args.host,
                     mps=args.mps and bool(hardware.gpus), startup_timeout_s=args.startup_timeout,
+                    silent_start_s=args.silent_start_timeout or None,
                     log_level=args.log_level, admin_key=args.admin_key)
 
 

@@ -68,6 +68,8 @@ class Slot:
         self.next_start_at = 0.0
         self.started_at = now
         self.last_probe_at = now
+        self.log_size: int | None = None  # while starting: the log's size when it last grew, and when
+        self.log_grew_at = now
 
     def view(self) -> ProcessState:
         pid = self.proc.pid if self.status in ("running", "starting") else None
@@ -79,9 +81,13 @@ class Supervisor:
     """Restarts processes that die, with backoff, starting at most one at a time."""
 
     def __init__(self, backoff: Backoff = Backoff(), *, startup_timeout_s: float = 600.0, probe_interval_s: float = 2.0,
-                 probe_timeout_s: float = 1.0, clock: Callable[[], float] = time.monotonic) -> None:
+                 probe_timeout_s: float = 1.0, silent_start_s: float | None = 180.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.backoff = backoff
         self.startup_timeout_s = startup_timeout_s
+        # A start whose log stays silent this long is wedged (vLLM logs every phase of its start-up, and a progress
+        # bar while it loads weights): stopped and retried long before the startup timeout. None: never.
+        self.silent_start_s = silent_start_s
         self.probe_interval_s = probe_interval_s
         self.probe_timeout_s = probe_timeout_s
         self.clock = clock
@@ -114,9 +120,8 @@ class Supervisor:
             logger.warning("restart of %s asked for, but no process has that name", name)
             return False
         slot.proc.stop()
-        slot.proc.start()
-        slot.restarts += 1
-        slot.status, slot.healthy, slot.healthy_since, slot.started_at = "starting", False, None, self.clock()
+        self._start(slot)
+        slot.healthy, slot.healthy_since = False, None
         logger.info("%s restarted on request (restart %d), pid %s", name, slot.restarts, slot.proc.pid)
         return True
 
@@ -164,13 +169,47 @@ class Supervisor:
         elif self.clock() - slot.started_at > self.startup_timeout_s:
             slot.proc.stop()
             self._failed(slot, f"was not healthy within {self.startup_timeout_s:g} s of its start")
+        elif self._silent(slot):
+            state = _process_state(slot.proc.pid)  # before the stop: where it was stuck, for the log
+            slot.proc.stop()
+            self._failed(slot, f"logged nothing for {self.silent_start_s:g} s while starting (wedged: {state})")
+
+    def _start(self, slot: Slot) -> None:
+        slot.proc.start()
+        slot.restarts += 1
+        slot.status, slot.started_at = "starting", self.clock()
+        slot.log_size, slot.log_grew_at = _size(slot.proc.log_path), slot.started_at
+
+    def _silent(self, slot: Slot) -> bool:
+        if self.silent_start_s is None:
+            return False
+        size, now = _size(slot.proc.log_path), self.clock()
+        if size != slot.log_size:
+            slot.log_size, slot.log_grew_at = size, now
+        return now - slot.log_grew_at > self.silent_start_s
 
     def _backoff(self, slot: Slot) -> None:
         # One start at a time: vLLM instances sharing a GPU profile memory wrongly when they start together.
         if self.clock() < slot.next_start_at or any(s.status == "starting" for s in self.slots):
             return
         slot.proc.stop()  # reap the dead leader and anything left in its group
-        slot.proc.start()
-        slot.restarts += 1
-        slot.status, slot.started_at = "starting", self.clock()
+        self._start(slot)
         logger.info("%s restarted (restart %d), pid %s", slot.proc.name, slot.restarts, slot.proc.pid)
+
+
+def _size(path: Path) -> int | None:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return None
+
+
+def _process_state(pid: int | None) -> str:
+    """A process's scheduler state and kernel wait channel, from /proc (Linux), for a log line."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+        wchan = Path(f"/proc/{pid}/wchan").read_text().strip()
+    except OSError as exc:
+        return f"pid {pid}: {exc.strerror}"
+    state = next((line.split(":", 1)[1].strip() for line in status.splitlines() if line.startswith("State:")), "?")
+    return f"pid {pid} state {state}, waiting in {wchan or '-'}"

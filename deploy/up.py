@@ -52,6 +52,7 @@ class UpConfig:
     replica_host: str = "127.0.0.1"
     mps: bool = False
     startup_timeout_s: float = 600.0
+    silent_start_s: float | None = 180.0  # a restart whose log stays silent this long is retried (None: never)
     stop_grace_s: float = 10.0
     backoff: Backoff = field(default_factory=Backoff)
     base_env: Mapping[str, str] | None = None  # default: this process's environment
@@ -127,7 +128,8 @@ class Deployment:
 
     def __init__(self, config: UpConfig) -> None:
         self.config = config
-        self.supervisor = Supervisor(config.backoff, startup_timeout_s=config.startup_timeout_s)
+        self.supervisor = Supervisor(config.backoff, startup_timeout_s=config.startup_timeout_s,
+                                     silent_start_s=config.silent_start_s)
         self.started_at = time.time()
         self.gateway_url: str | None = None
         self.stopped = False

@@ -179,3 +179,29 @@ def test_stop_all_stops_in_reverse_order() -> None:
     sup.stop_all()
     assert order == ["r2", "r1", "r0"]
     assert all(v.status == "stopped" and v.pid is None for v in sup.views())
+
+
+def test_a_restart_that_logs_nothing_is_stopped_and_retried_before_the_startup_timeout(tmp_path: Path) -> None:
+    """A restarted process whose log stays silent past silent_start_s is wedged: stopped and started again, while
+    one that keeps logging is left to start for as long as the startup timeout allows."""
+    sup, (r0, r1), clock = make(startup_timeout_s=600, silent_start_s=30)
+    for proc in (r0, r1):
+        proc.log_path = tmp_path / f"{proc.name}.log"
+        proc.log_path.write_text("up\n")
+    assert sup.restart("r0") and sup.restart("r1")
+    for t in range(1, 100):
+        clock.now = t
+        with r1.log_path.open("a") as log:
+            log.write("still loading\n")
+        sup.tick()
+        if sup.slots[0].status != "starting":
+            break
+    assert sup.slots[0].status == "backoff" and 30 < clock.now <= 32 and r0.stops == 2
+    assert sup.slots[1].status == "starting" and r1.stops == 1
+    clock.now += 2
+    sup.tick()
+    assert sup.slots[0].status == "backoff"  # one start at a time: r1 is still starting
+    r1.up = True
+    sup.tick()
+    sup.tick()
+    assert sup.slots[1].status == "running" and sup.slots[0].status == "starting" and r0.starts == 2

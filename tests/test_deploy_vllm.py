@@ -286,7 +286,7 @@ def test_rolling_restart_under_load_fails_no_request(deployment: Deployment) -> 
         thread.start()
     try:
         result = subprocess.run([sys.executable, "-m", "deploy.cli", "restart", "--rolling", "--run-dir",
-                                 str(deployment.run_dir), "--startup-timeout", "300"],
+                                 str(deployment.run_dir), "--startup-timeout", "420"],
                                 capture_output=True, text=True, timeout=900,
                                 cwd=Path(__file__).resolve().parent.parent)
         served = len(done)
