@@ -264,6 +264,13 @@ class _Upstream(asyncio.Protocol):
 
 
 # -- the replicas' processes ---------------------------------------------------------------------------------------
+def spawn(argv: Sequence[str], log_path: Path) -> subprocess.Popen[bytes]:
+    """Start `argv` in its own process group (signals reach its children too), appending its output to `log_path`."""
+    with log_path.open("ab") as log:
+        return subprocess.Popen(list(argv), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
+
+
 class ReplicaProcess:
     """One replica's process (`argv`), in its own process group, logging to `log_path`."""
 
@@ -280,9 +287,7 @@ class ReplicaProcess:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> None:
-        with self.log_path.open("ab") as log:
-            self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         start_new_session=True)
+        self.proc = spawn(self.argv, self.log_path)
 
     def healthy(self) -> bool:
         try:

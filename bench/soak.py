@@ -46,7 +46,7 @@ import psutil
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.chaos import Fault, Injector, Receipt, ReplicaProcess, fault_plan
+from bench.chaos import Fault, Injector, Receipt, ReplicaProcess, fault_plan, spawn
 from bench.common import markdown_table
 from bench.soak_clients import MALFORMED, SLOW_TOKENS, Clients, Outcome, RequestShape
 from sim.fleet import capacity
@@ -186,9 +186,7 @@ class GatewayProcess:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> None:
-        with self.log_path.open("ab") as log:
-            self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         start_new_session=True)
+        self.proc = spawn(self.argv, self.log_path)
 
     def get(self, path: str) -> tuple[int, bytes]:
         try:
