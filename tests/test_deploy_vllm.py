@@ -113,7 +113,7 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
     log = run_dir / "deploy-up.log"
     argv = [sys.executable, "-m", "deploy.cli", "up", "--model", "tiny", "--replicas", "2", "--port", str(base),
             "--replica-port-base", str(base + 1), "--run-dir", str(run_dir), "--startup-timeout", "300",
-            "--host", "127.0.0.1"]
+            "--host", "127.0.0.1", "--silent-start-timeout", "60"]  # a start logs its first line within ~10 s
     with log.open("wb") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
                                 cwd=Path(__file__).resolve().parent.parent)
@@ -285,8 +285,10 @@ def test_rolling_restart_under_load_fails_no_request(deployment: Deployment) -> 
     for thread in threads:
         thread.start()
     try:
+        # 480 s: room for one wedged start (seen on this 2-core VM: a restarted vLLM stuck in the kernel's
+        # sched_setaffinity, found by the 60 s silent-start watchdog, then about 3 minutes to die) and a retry.
         result = subprocess.run([sys.executable, "-m", "deploy.cli", "restart", "--rolling", "--run-dir",
-                                 str(deployment.run_dir), "--startup-timeout", "420"],
+                                 str(deployment.run_dir), "--startup-timeout", "480"],
                                 capture_output=True, text=True, timeout=900,
                                 cwd=Path(__file__).resolve().parent.parent)
         served = len(done)
