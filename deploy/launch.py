@@ -55,6 +55,7 @@ class Launch:
 
     spec: ReplicaSpec
     env: Mapping[str, str]
+    cpus: tuple[int, ...] = ()  # on CPU: the cores the replica's processes are confined to (empty: any)
 
 
 def default_plan(options: PlanOptions, hardware: Hardware) -> Plan:
@@ -118,7 +119,13 @@ def fit_to_hardware(plan: Plan, hardware: Hardware) -> Plan:
 
 
 def launches(plan: Plan, hardware: Hardware, extra_env: Mapping[str, str] | None = None) -> list[Launch]:
-    """Each replica's spec and environment; on CPU, each replica's OpenMP threads are pinned to its own cores."""
+    """Each replica's spec and environment; on CPU, each replica is confined to its own cores.
+
+    vLLM pins the replica's OpenMP threads (VLLM_CPU_OMP_THREADS_BIND), and the replica's every process starts with
+    only those cores allowed: at `import torch`, MKL counts cores by moving the process onto each allowed CPU in
+    turn, and a process moved onto a core where another replica's pinned worker spins got no CPU time for minutes
+    on this project's CI VM (and could not be killed meanwhile).
+    """
     extra = dict(extra_env or {})
     if hardware.gpus:
         return [Launch(spec, dict(extra)) for spec in plan.replicas]
@@ -126,7 +133,7 @@ def launches(plan: Plan, hardware: Hardware, extra_env: Mapping[str, str] | None
         logger.warning("%d replicas on %d CPU cores: some replicas share a core", len(plan.replicas),
                        len(hardware.cpus))
     slices = split_cpus(hardware.cpus, len(plan.replicas))
-    return [Launch(spec, {**extra, "VLLM_CPU_OMP_THREADS_BIND": cpu_list(cpus)})
+    return [Launch(spec, {**extra, "VLLM_CPU_OMP_THREADS_BIND": cpu_list(cpus)}, tuple(cpus))
             for spec, cpus in zip(plan.replicas, slices)]
 
 

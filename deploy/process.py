@@ -11,6 +11,7 @@ when the process exits while we wait, and with `StartupTimeout` when it is not h
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -19,7 +20,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Protocol
@@ -106,12 +107,26 @@ def group_alive(pgid: int) -> bool:
     return True
 
 
+@contextlib.contextmanager
+def _confined(cpus: frozenset[int]) -> Iterator[None]:
+    """Within: this thread (and so a child it starts, which inherits the mask) may run on `cpus` only."""
+    if not cpus or not hasattr(os, "sched_setaffinity"):
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cpus)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
 class ManagedProcess:
     """A command run in its own process group, logged to a file, healthy when `health_url` answers 200."""
 
     def __init__(self, name: str, argv: Sequence[str], log_path: str | Path, health_url: str,
                  env: Mapping[str, str] | None = None, *, startup_timeout_s: float = 600.0,
-                 stop_grace_s: float = 10.0) -> None:
+                 stop_grace_s: float = 10.0, cpus: Sequence[int] = ()) -> None:
         self.name = name
         self.argv = tuple(argv)
         self.log_path = Path(log_path)
@@ -119,6 +134,7 @@ class ManagedProcess:
         self.env = dict(os.environ if env is None else env)
         self.startup_timeout_s = startup_timeout_s
         self.stop_grace_s = stop_grace_s
+        self.cpus = frozenset(cpus)  # the cores it may run on (inherited by its children); empty: any
         self._proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -133,8 +149,9 @@ class ManagedProcess:
         with self.log_path.open("ab") as log:
             log.write(f"\n==== {time.strftime('%Y-%m-%d %H:%M:%S')} starting: {' '.join(self.argv)}\n".encode())
             log.flush()
-            self._proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                          env=self.env, start_new_session=True)
+            with _confined(self.cpus):
+                self._proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT,
+                                              stdin=subprocess.DEVNULL, env=self.env, start_new_session=True)
         logger.info("%s started, pid %d, log %s", self.name, self._proc.pid, self.log_path)
 
     def poll(self) -> int | None:
@@ -245,12 +262,13 @@ class VllmServer(ManagedProcess):
 
     def __init__(self, spec: ReplicaSpec, log_path: str | Path, env: Mapping[str, str] | None = None, *,
                  host: str = "127.0.0.1", startup_timeout_s: float = 600.0, stop_grace_s: float = 10.0,
-                 python: str = sys.executable) -> None:
+                 python: str = sys.executable, cpus: Sequence[int] = ()) -> None:
         probe_host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
         self.spec = spec
         self.url = f"http://{probe_host}:{spec.port}"
         super().__init__(spec.name, vllm_argv(spec, host, python), log_path, f"{self.url}/health",
-                         vllm_env(spec, env), startup_timeout_s=startup_timeout_s, stop_grace_s=stop_grace_s)
+                         vllm_env(spec, env), startup_timeout_s=startup_timeout_s, stop_grace_s=stop_grace_s,
+                         cpus=cpus)
 
     def __enter__(self) -> VllmServer:
         super().__enter__()

@@ -153,7 +153,7 @@ class Deployment:
             env = {**base, **extra, **launch.env}
             server = VllmServer(launch.spec, config.run_dir / "logs" / f"{launch.spec.name}.log", env,
                                 host=config.replica_host, startup_timeout_s=config.startup_timeout_s,
-                                stop_grace_s=config.stop_grace_s, python=config.python)
+                                stop_grace_s=config.stop_grace_s, python=config.python, cpus=launch.cpus)
             print(f"deploy: starting replica {launch.spec.name} on {server.url} (log {server.log_path})",
                   file=sys.stderr, flush=True)
             started = time.monotonic()

@@ -50,6 +50,7 @@ def test_default_cpu_plan_pins_cores_and_sizes_the_kv_cache() -> None:
     assert all(r.cpu_kvcache_space_gib == 1.0 and r.gpu_memory_utilization is None for r in plan.replicas)
     runs = launches(plan, CPU)
     assert [launch.env["VLLM_CPU_OMP_THREADS_BIND"] for launch in runs] == ["0", "1"]
+    assert [launch.cpus for launch in runs] == [(0,), (1,)]  # the whole replica confined, not only its threads
     argv = vllm_argv(runs[0].spec)
     assert "--gpu-memory-utilization" not in argv and "--max-num-seqs" in argv
 
@@ -57,7 +58,7 @@ def test_default_cpu_plan_pins_cores_and_sizes_the_kv_cache() -> None:
 def test_gpu_launches_have_no_cpu_pinning() -> None:
     """On a GPU no CPU binding is set."""
     plan = fit_to_hardware(default_plan(PlanOptions(replicas=2), GPU), GPU)
-    assert all("VLLM_CPU_OMP_THREADS_BIND" not in launch.env for launch in launches(plan, GPU))
+    assert all("VLLM_CPU_OMP_THREADS_BIND" not in launch.env and launch.cpus == () for launch in launches(plan, GPU))
 
 
 def test_fit_to_hardware_gives_a_gpu_share_when_the_plan_names_none() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import sys
 import time
@@ -10,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from deploy.plan import Admission, ReplicaSpec
-from deploy.process import ManagedProcess, ProcessDied, StartupTimeout, group_alive, vllm_argv, vllm_env
+from deploy.process import ManagedProcess, ProcessDied, StartupTimeout, group_alive, tail, vllm_argv, vllm_env
 from tests.conftest import port_bound
 
 
@@ -115,3 +116,23 @@ def test_vllm_env_sets_cpu_kv_cache_in_whole_gib() -> None:
     spec2 = ReplicaSpec(name="r0", model="m", port=8001, cpu_kvcache_space_gib=2.6)
     assert vllm_env(spec2, {})["VLLM_CPU_KVCACHE_SPACE"] == "3"
     assert "VLLM_CPU_KVCACHE_SPACE" not in vllm_env(ReplicaSpec(name="r0", model="m", port=8001), {})
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs a machine with two or more usable cores to tell confined from free")
+def test_a_process_with_cpus_starts_confined_to_them_and_the_starter_is_not(tmp_path: Path) -> None:
+    """`cpus`: the process (and what it starts) may run on those cores only, from its first instruction; the
+    thread that started it keeps the cores it had."""
+    before = os.sched_getaffinity(0)
+    core = min(before)
+    out = tmp_path / "affinity"
+    code = f"import os, pathlib; pathlib.Path({str(out)!r}).write_text(repr(sorted(os.sched_getaffinity(0))))"
+    proc = ManagedProcess("p", [sys.executable, "-c", code], tmp_path / "p.log", "http://127.0.0.1:9/health",
+                          cpus=[core])
+    proc.start()
+    deadline = time.monotonic() + 30
+    while proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert proc.poll() == 0, tail(tmp_path / "p.log")
+    assert out.read_text() == repr([core])
+    assert os.sched_getaffinity(0) == before
