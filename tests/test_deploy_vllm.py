@@ -176,6 +176,22 @@ def test_both_replicas_serve(deployment: Deployment) -> None:
     assert served == replicas
 
 
+def test_each_replica_runs_on_its_own_cores_only(deployment: Deployment) -> None:
+    """On CPU every process of a replica (API server, engine, worker) is confined to that replica's cores, which
+    no other replica shares (so none of them is ever moved onto a core another replica's pinned worker holds)."""
+    import psutil
+
+    masks = []
+    for replica in deployment.state()["replicas"]:
+        leader = psutil.Process(replica["pid"])
+        processes = [leader, *leader.children(recursive=True)]
+        assert len(processes) >= 3  # API server, engine core, worker
+        cores = {tuple(sorted(os.sched_getaffinity(p.pid))) for p in processes}
+        assert len(cores) == 1, cores
+        masks.append(set(cores.pop()))
+    assert len(masks) == 2 and not masks[0] & masks[1]
+
+
 def prefix_cache_hits(replica_url: str) -> float:
     """vLLM's `vllm:prefix_cache_hits_total` (tokens found in the prefix cache), summed over engines."""
     text = urllib.request.urlopen(f"{replica_url}/metrics", timeout=5).read().decode()
@@ -285,10 +301,8 @@ def test_rolling_restart_under_load_fails_no_request(deployment: Deployment) -> 
     for thread in threads:
         thread.start()
     try:
-        # 480 s: room for one wedged start (seen on this 2-core VM: a restarted vLLM stuck in the kernel's
-        # sched_setaffinity, found by the 60 s silent-start watchdog, then about 3 minutes to die) and a retry.
         result = subprocess.run([sys.executable, "-m", "deploy.cli", "restart", "--rolling", "--run-dir",
-                                 str(deployment.run_dir), "--startup-timeout", "480"],
+                                 str(deployment.run_dir), "--startup-timeout", "300"],
                                 capture_output=True, text=True, timeout=900,
                                 cwd=Path(__file__).resolve().parent.parent)
         served = len(done)
