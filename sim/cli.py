@@ -2,6 +2,7 @@
 
     sim serve --model CONFIG --gpu NAME --replicas N --port P [--max-num-seqs B] [--gpu-memory-utilization F]
     sim calibrate [--fit]
+    sim stepfit
     sim run --model CONFIG --gpu NAME --replicas 16 --requests 100000 --load 0.8
 """
 
@@ -66,6 +67,8 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--load", type=float, default=0.8, help="arrival rate as a fraction of capacity (0.8)")
     run.add_argument("--policy", default=DEFAULT_POLICY, choices=POLICY_NAMES)
     run.add_argument("--seed", type=int, default=0)
+    fit = sub.add_parser("stepfit", help="fit the step-time model to public GPU measurements; held-out errors")
+    fit.add_argument("--data", help="folder of the step data (default planner/data/stepdata)")
     return parser
 
 
@@ -166,6 +169,9 @@ def main(argv: Sequence[str] | None = None) -> None:
             uvloop.run(serve(config))
         elif args.command == "calibrate":
             _calibrate(args)
+        elif args.command == "stepfit":
+            from .stepfit import main as stepfit
+            stepfit(["--data", args.data] if args.data else [])
         else:
             _run(args)
     except UsageError as exc:

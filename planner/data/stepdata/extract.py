@@ -1,0 +1,133 @@
+"""Rebuild this folder's CSVs from snapshots of the two public repositories they come from (run by hand, once).
+
+    python planner/data/stepdata/extract.py BSC_GIT_DIR ARGONNE_GIT_DIR
+
+Each argument is a clone (or bare git directory) of the repository named in the CSV's header, at the commit named
+there. Only numbers read from those files are written; the header says how each column was derived.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).parent
+BSC_COMMIT = "a9186347e6146b4547ed25674b4e9034eb1e9abf"
+ARGONNE_COMMIT = "4211f5d4e9bc0145ed541b6d372d5d8223b44235"
+BSC_ROOT = "benchmarks/definitive_results/background"
+BSC_MODELS = ("opt-1.3b", "opt-2.7b", "llama-2-7b", "llama-2-13b")
+# vLLM rows on one NVIDIA GPU for the architectures sim/model.py understands (llama, mistral, qwen2, opt).
+ARGONNE_MODELS = {"meta-llama/Llama-2-7b-hf": "llama-2-7b", "meta-llama/Meta-Llama-3-8B": "llama-3-8b",
+                  "mistralai/Mistral-7B-v0.1": "mistral-7b", "Qwen/Qwen2-7B": "qwen2-7b",
+                  "Qwen/Qwen1.5-7B": "qwen1.5-7b", "huggyllama/llama-7b": "llama-7b", "facebook/opt-6.7b": "opt-6.7b"}
+ARGONNE_GPUS = {"Nvidia A100 GPU": "A100-40GB", "Nvidia H100 GPU": "H100-80GB", "Nvidia GH200 GPU": "GH200"}
+
+
+def write_keeping_header(path: Path, rows: list[list[str]]) -> None:
+    """Write `rows` to `path` under the comment lines (provenance, columns) the file already starts with."""
+    header = [line for line in path.read_text().splitlines(keepends=True) if line.startswith("#")] \
+        if path.exists() else []
+    body = io.StringIO()
+    csv.writer(body, lineterminator="\n").writerows(rows)
+    path.write_text("".join(header) + body.getvalue())
+
+
+def git_show(repo: Path, commit: str, path: str) -> str:
+    return subprocess.run(["git", "--git-dir", str(repo), "show", f"{commit}:{path}"], check=True,
+                          capture_output=True, text=True).stdout
+
+
+def git_ls(repo: Path, commit: str, path: str) -> list[str]:
+    out = subprocess.run(["git", "--git-dir", str(repo), "ls-tree", "--name-only", f"{commit}", f"{path}/"],
+                         check=True, capture_output=True, text=True).stdout
+    return [line.rsplit("/", 1)[-1] for line in out.splitlines()]
+
+
+def saturated_window(rows: list[dict[str, float]], cap: int) -> tuple[dict[str, float], dict[str, float],
+                                                                     list[dict[str, float]]] | None:
+    """The longest run of samples with a full batch, a non-empty queue and no preemption in between."""
+    full = [r["num_requests_running"] >= cap and r["num_requests_waiting"] > 0 for r in rows]
+    best: tuple[int, int] | None = None
+    i = 0
+    while i < len(rows):
+        if not full[i]:
+            i += 1
+            continue
+        j = i
+        while j + 1 < len(rows) and full[j + 1] and rows[j + 1]["num_preemptions_total"] == rows[i][
+                "num_preemptions_total"]:
+            j += 1
+        if j > i and (best is None or j - i > best[1] - best[0]):
+            best = (i, j)
+        i = j + 1
+    if best is None:
+        return None
+    return rows[best[0]], rows[best[1]], rows[best[0]:best[1] + 1]
+
+
+def bsc_point(repo: Path, model: str, cap: int) -> list[str] | None:
+    folder = f"{BSC_ROOT}/{model}/_{cap}_"
+    names = git_ls(repo, BSC_COMMIT, folder)
+    metrics = list(csv.DictReader(io.StringIO(git_show(repo, BSC_COMMIT, f"{folder}/metrics_engine_server_0.csv"))))
+    rows = [{k: float(v) for k, v in r.items()} for r in metrics]
+    for r in rows:
+        r["t"] = r["time [s]"]
+    window = saturated_window(rows, cap)
+    if window is None:
+        return None
+    first, last, inside = window
+    log = git_show(repo, BSC_COMMIT, f"{folder}/server_out_0.log")
+    match = re.search(r"# GPU blocks: (\d+)", log)
+    version = re.search(r"version (\S+)", log)
+    result = json.loads(git_show(repo, BSC_COMMIT, f"{folder}/{next(n for n in names if n.endswith('.json'))}"))
+    if match is None or version is None:
+        raise ValueError(f"{folder}: no block count or version in server_out_0.log")
+    mean = lambda key: sum(r[key] for r in inside[1:]) / (len(inside) - 1)  # noqa: E731
+    return [model, str(cap), match.group(1), version.group(1), f"{last['t'] - first['t']:.4f}",
+            f"{last['model_forward_total_time'] - first['model_forward_total_time']:.4f}",
+            f"{last['prompt_tokens_total'] - first['prompt_tokens_total']:.0f}",
+            f"{last['generation_tokens_total'] - first['generation_tokens_total']:.0f}",
+            f"{mean('num_requests_running'):.3f}", f"{mean('gpu_cache_usage_perc'):.5f}",
+            f"{result['total_input_tokens'] / result['completed']:.2f}",
+            f"{result['total_output_tokens'] / result['completed']:.2f}", f"{result['mean_tpot_ms']:.3f}"]
+
+
+def write_bsc(repo: Path) -> None:
+    out = [["model", "max_num_seqs", "num_gpu_blocks", "vllm_version", "window_s", "forward_s", "prompt_tokens",
+            "generation_tokens", "mean_running", "mean_kv_usage", "mean_prompt_tokens", "mean_output_tokens",
+            "mean_tpot_ms"]]
+    skipped = []
+    for model in BSC_MODELS:
+        caps = sorted(int(n.strip("_")) for n in git_ls(repo, BSC_COMMIT, f"{BSC_ROOT}/{model}") if n.startswith("_"))
+        for cap in caps:
+            row = bsc_point(repo, model, cap)
+            if row is None:
+                skipped.append(f"{model}@{cap}")
+            else:
+                out.append(row)
+    path = HERE / "bsc-vllm052-h100-64gb.csv"
+    write_keeping_header(path, out)
+    print(f"{path}: {len(out) - 1} rows; no saturated window without preemption: {', '.join(skipped)}")
+
+
+def write_argonne(repo: Path) -> None:
+    rows = csv.DictReader(io.StringIO(git_show(repo, ARGONNE_COMMIT, "Plots/All_results.csv")))
+    out = [["gpu", "model", "hub_id", "io_len", "batch", "latency_s"]]
+    for r in rows:
+        if r["Framework"] == "vLLM" and r["Num of Hardware"] == "1" and r["Hardware"] in ARGONNE_GPUS \
+                and r["Model"] in ARGONNE_MODELS:
+            out.append([ARGONNE_GPUS[r["Hardware"]], ARGONNE_MODELS[r["Model"]], r["Model"],
+                        r["Input Output Length"], r["Batch Size"], f"{float(r['Latency']):.6g}"])
+    path = HERE / "argonne-vllm-e2e.csv"
+    write_keeping_header(path, out)
+    print(f"{path}: {len(out) - 1} rows")
+
+
+if __name__ == "__main__":
+    write_bsc(Path(sys.argv[1]))
+    write_argonne(Path(sys.argv[2]))

@@ -1,0 +1,347 @@
+"""One step-time model across models and GPUs, fitted to public measurements, with leave-one-model-out errors.
+
+The data (`planner/data/stepdata/`, provenance in each CSV's header) are real vLLM runs: steady-state engine
+windows of OPT-1.3B to Llama-2-13B on an H100 64 GB (vLLM 0.5.2), and whole-batch latencies of 7-8B models on an
+A100 40 GB, an H100 80 GB and a GH200. Each measurement is turned into the engine steps it consisted of (so many
+prefill steps of this size, so many decode steps of that batch and context), and the model prices every step as
+`sim/steptime.py` does, with four constants per GPU:
+
+    step_s = host_step_s + host_per_seq_s x seqs + max(bytes / bandwidth, flops / flop_rate)
+    bytes  = weights read + KV bytes/token x (tokens of context read + new tokens written)
+    flops  = 2 x layer params x new tokens + 2 x lm_head params x sampled + 4 x layers x width x attention pairs
+
+`bandwidth` and `flop_rate` are effective rates (datasheet x efficiency); nothing is per model. The fit minimizes
+a Huber loss of the log error of each measurement's total time, per GPU, by Nelder-Mead
+(`sim.calibrate.nelder_mead`).
+
+    python -m sim.stepfit        # or: sim stepfit; the held-out error table of docs/sim.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from synthetic.arch import load_spec
+
+from .calibrate import nelder_mead
+from .gpus import GIB, GpuSpec, get_gpu
+from .memory import BLOCK_SIZE, num_gpu_blocks
+from .model import ModelSpec
+from .steptime import StepCost
+
+DATA_DIR = Path(__file__).resolve().parent.parent / "planner" / "data" / "stepdata"
+BSC_FILE = "bsc-vllm052-h100-64gb.csv"
+ARGONNE_FILE = "argonne-vllm-e2e.csv"
+# GH200 (Grace Hopper, 96 GB HBM3 part): 4.0 TB/s, the H100's 989 TFLOP/s dense bf16. Not in sim/gpus.py because
+# only this fit uses it.
+EXTRA_GPUS = {"GH200": GpuSpec("GH200", 96 * GIB, 4.0e12, 989e12)}
+DECODE_BINS = 16  # a batch's decode steps are priced at this many context lengths (midpoints); exact while linear
+HUBER_DELTA = 0.05
+PREFILL_BUDGET_CAP = 32768  # vLLM caps max_num_batched_tokens by max_model_len; long-context models chunk
+
+
+@dataclass(frozen=True)
+class Steps:
+    """`count` identical engine steps: new tokens, sampled sequences, KV tokens read, attention pairs, sequences."""
+
+    count: float
+    new_tokens: float
+    sampled: float
+    kv_read: float
+    attn_pairs: float
+    seqs: float
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """One measured wall time and the steps it consisted of."""
+
+    source: str
+    gpu: str
+    model: str
+    label: str
+    measured_s: float
+    steps: tuple[Steps, ...]
+    spec: ModelSpec = field(repr=False)
+
+
+@dataclass(frozen=True)
+class GpuConstants:
+    """The four fitted constants of one GPU (effective rates, not datasheet ones)."""
+
+    bandwidth_bps: float
+    flop_rate: float
+    host_step_s: float
+    host_per_seq_s: float
+
+    @classmethod
+    def from_vector(cls, x: np.ndarray) -> GpuConstants:
+        """From log-space parameters: log TB/s, log PFLOP/s, log ms, log us."""
+        e = np.exp(x)
+        return cls(float(e[0]) * 1e12, float(e[1]) * 1e15, float(e[2]) * 1e-3, float(e[3]) * 1e-6)
+
+    def vector(self) -> np.ndarray:
+        return np.log([self.bandwidth_bps / 1e12, self.flop_rate / 1e15, self.host_step_s * 1e3,
+                       self.host_per_seq_s * 1e6])
+
+    def step_cost(self, gpu: GpuSpec) -> StepCost:
+        """The simulator's StepCost for these constants (efficiencies must come out at most 1)."""
+        return StepCost(self.host_step_s, self.host_per_seq_s, self.bandwidth_bps / gpu.bandwidth_bps,
+                        self.flop_rate / gpu.peak_flops)
+
+
+def gpu_spec(name: str) -> GpuSpec:
+    """A GPU of sim/gpus.py, or one this fit adds (GH200)."""
+    return EXTRA_GPUS[name] if name in EXTRA_GPUS else get_gpu(name)
+
+
+def model_spec(name: str, data_dir: Path = DATA_DIR) -> ModelSpec:
+    """A config from `data_dir/configs/NAME`, else a shipped one (synthetic/configs)."""
+    local = data_dir / "configs" / name / "config.json"
+    return load_spec(str(local) if local.is_file() else name)
+
+
+def read_csv(path: Path) -> tuple[list[str], list[dict[str, str]]]:
+    """The `#` header lines (provenance) and the rows of one data file."""
+    lines = path.read_text().splitlines()
+    header = [line[1:].strip() for line in lines if line.startswith("#")]
+    rows = list(csv.DictReader(line for line in lines if not line.startswith("#")))
+    if not header or not rows:
+        raise ValueError(f"{path}: expected '#' provenance lines and data rows")
+    return header, rows
+
+
+# --- turning each measurement into steps -----------------------------------------------------------------------
+
+
+def bsc_steps(row: dict[str, str]) -> tuple[Steps, ...]:
+    """A steady-state window of vLLM V0 with a full batch: decode steps, and prefill steps of the prompts admitted.
+
+    Admitted prompts = prompt tokens / mean prompt length; each also got its first token from its prefill, so decode
+    steps = (generated - admitted) / batch. A prefill step runs whenever some sequence finished in the decode step
+    before it; with `a` admissions over `n` decode steps that is n (1 - exp(-a/n)) prefill steps (Poisson).
+    """
+    batch, prompt = float(row["mean_running"]), float(row["prompt_tokens"])
+    mean_prompt = float(row["mean_prompt_tokens"])
+    admitted = prompt / mean_prompt
+    n_dec = (float(row["generation_tokens"]) - admitted) / batch
+    context = float(row["mean_kv_usage"]) * int(row["num_gpu_blocks"]) * BLOCK_SIZE / batch
+    n_pre = n_dec * -math.expm1(-admitted / n_dec) if admitted > 0 else 0.0
+    decode = Steps(n_dec, batch, batch, batch * context, batch * context, batch)
+    if n_pre <= 0:
+        return (decode,)
+    per = admitted / n_pre
+    prefill = Steps(n_pre, prompt / n_pre, per, 0.0, per * mean_prompt * (mean_prompt + 1) / 2, per)
+    return decode, prefill
+
+
+def argonne_steps(spec: ModelSpec, batch: int, io_len: int) -> tuple[Steps, ...]:
+    """One offline batch: B prompts of L tokens prefilled (as many per step as the token budget allows), then L-1
+    decode steps of B sequences whose context grows from L+1 to 2L-1."""
+    budget = max(min(spec.max_model_len, PREFILL_BUDGET_CAP), 2048)
+    per_step = max(1, budget // io_len)
+    full, rest = divmod(batch, per_step)
+    steps = [Steps(full, per_step * io_len, per_step, 0.0, per_step * io_len * (io_len + 1) / 2, per_step)]
+    if rest:
+        steps.append(Steps(1, rest * io_len, rest, 0.0, rest * io_len * (io_len + 1) / 2, rest))
+    n_dec = io_len - 1
+    edges = np.linspace(io_len + 1, 2 * io_len, DECODE_BINS + 1)
+    for lo, hi in zip(edges[:-1], edges[1:]):
+        ctx = (lo + hi) / 2
+        steps.append(Steps(n_dec / DECODE_BINS, batch, batch, batch * ctx, batch * ctx, batch))
+    return tuple(s for s in steps if s.count > 0)
+
+
+def kv_fits(spec: ModelSpec, gpu: GpuSpec, batch: int, io_len: int) -> bool:
+    """Whether B x 2L tokens of KV fit in vLLM's cache (0.9 of memory, with a 10% margin): else vLLM preempts and
+    recomputes, which is not a step-time question."""
+    blocks = num_gpu_blocks(spec, gpu, 0.9, 256)
+    return batch * 2 * io_len <= 0.9 * blocks * BLOCK_SIZE
+
+
+def load_bsc(path: Path, data_dir: Path = DATA_DIR) -> list[Measurement]:
+    _, rows = read_csv(path)
+    specs = {name: model_spec(name, data_dir) for name in {r["model"] for r in rows}}
+    return [Measurement("bsc", "H100-64GB", r["model"], f"B={r['max_num_seqs']}", float(r["window_s"]),
+                        bsc_steps(r), specs[r["model"]]) for r in rows]
+
+
+def load_argonne(path: Path, data_dir: Path = DATA_DIR) -> list[Measurement]:
+    _, rows = read_csv(path)
+    specs = {name: model_spec(name, data_dir) for name in {r["model"] for r in rows}}
+    out = []
+    for r in rows:
+        spec, batch, io_len = specs[r["model"]], int(r["batch"]), int(r["io_len"])
+        if 2 * io_len <= spec.max_model_len and kv_fits(spec, gpu_spec(r["gpu"]), batch, io_len):
+            out.append(Measurement("argonne", r["gpu"], r["model"], f"B={batch} L={io_len}", float(r["latency_s"]),
+                                   argonne_steps(spec, batch, io_len), spec))
+    return out
+
+
+def load_all(data_dir: Path = DATA_DIR) -> list[Measurement]:
+    """Every measurement of both sources; argonne rows longer than the model's context (vLLM rejects them at once)
+    or that would preempt are left out."""
+    return load_bsc(data_dir / BSC_FILE, data_dir) + load_argonne(data_dir / ARGONNE_FILE, data_dir)
+
+
+# --- the model ---------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StepTable:
+    """Every step of a list of measurements as arrays of bytes, FLOPs and sequences, for fast pricing."""
+
+    row: np.ndarray  # index of the measurement each step group belongs to
+    count: np.ndarray
+    bytes: np.ndarray
+    flops: np.ndarray
+    seqs: np.ndarray
+    measured: np.ndarray
+
+    @classmethod
+    def of(cls, measurements: Sequence[Measurement]) -> StepTable:
+        cols: list[list[float]] = [[], [], [], [], []]
+        for i, m in enumerate(measurements):
+            for s in m.steps:
+                spec = m.spec
+                size = spec.weight_read_bytes + spec.kv_bytes_per_token * (s.kv_read + s.new_tokens)
+                work = (2 * spec.body_params * s.new_tokens + 2 * spec.lm_head_params * s.sampled
+                        + 4 * spec.num_layers * spec.attention_width * s.attn_pairs)
+                for col, value in zip(cols, (i, s.count, size, work, s.seqs)):
+                    col.append(value)
+        row, count, nbytes, flops, seqs = (np.asarray(c, dtype=float) for c in cols)
+        return cls(row.astype(int), count, nbytes, flops, seqs, np.array([m.measured_s for m in measurements]))
+
+    def predict(self, c: GpuConstants) -> np.ndarray:
+        """Predicted seconds of each measurement."""
+        device = np.maximum(self.bytes / c.bandwidth_bps, self.flops / c.flop_rate)
+        step = c.host_step_s + c.host_per_seq_s * self.seqs + device
+        return np.bincount(self.row, weights=self.count * step, minlength=len(self.measured))
+
+
+def predict(constants: GpuConstants, measurements: Sequence[Measurement]) -> np.ndarray:
+    return StepTable.of(measurements).predict(constants)
+
+
+def log_loss(table: StepTable, c: GpuConstants, delta: float = HUBER_DELTA) -> float:
+    """Huber loss of the log ratio: squared within `delta` (5%), linear beyond, so that one model whose runs
+    behave unlike its shape (Mistral-7B on the H100 80 GB, docs/sim.md) does not drag a GPU's constants."""
+    r = np.abs(np.log(table.predict(c)) - np.log(table.measured))
+    return float(np.mean(np.where(r < delta, 0.5 * r * r, delta * (r - 0.5 * delta))))
+
+
+def start_for(gpu: GpuSpec) -> GpuConstants:
+    """Where the search starts: 60% of the datasheet bandwidth, 50% of the FLOP/s, 1 ms + 20 us per sequence."""
+    return GpuConstants(0.6 * gpu.bandwidth_bps, 0.5 * gpu.peak_flops, 1e-3, 20e-6)
+
+
+def fit(measurements: Sequence[Measurement], start: GpuConstants, rounds: int = 4, iters: int = 250) -> GpuConstants:
+    """Minimize `log_loss`; Nelder-Mead restarted from its best point `rounds` times."""
+    table = StepTable.of(measurements)
+    x = start.vector()
+    for _ in range(rounds):
+        x = nelder_mead(lambda v: log_loss(table, GpuConstants.from_vector(v)), x, np.full(4, 0.3), iters)
+    return GpuConstants.from_vector(x)
+
+
+def fit_per_gpu(measurements: Sequence[Measurement]) -> dict[str, GpuConstants]:
+    """One set of constants per GPU, from that GPU's measurements."""
+    by_gpu = group(measurements, lambda m: m.gpu)
+    return {g: fit(ms, start_for(gpu_spec(g))) for g, ms in sorted(by_gpu.items())}
+
+
+def group(measurements: Iterable[Measurement], key: Callable[[Measurement], str]) -> dict[str, list[Measurement]]:
+    out: dict[str, list[Measurement]] = {}
+    for m in measurements:
+        out.setdefault(key(m), []).append(m)
+    return out
+
+
+# --- leave one model out -----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class HeldOut:
+    """One model on one GPU, predicted by constants fitted without any of that model's measurements."""
+
+    model: str
+    gpu: str
+    params: int
+    points: int
+    errors: tuple[float, ...]  # predicted / measured - 1, per measurement
+
+    @property
+    def mean_abs(self) -> float:
+        return float(np.mean(np.abs(self.errors)))
+
+    @property
+    def worst(self) -> float:
+        return float(self.errors[int(np.argmax(np.abs(self.errors)))])
+
+    @property
+    def bias(self) -> float:
+        return float(np.mean(self.errors))
+
+
+def leave_one_model_out(measurements: Sequence[Measurement]) -> list[HeldOut]:
+    """For every model and GPU: fit that GPU's constants on the other models, predict this one."""
+    out = []
+    for gpu, ms in sorted(group(measurements, lambda m: m.gpu).items()):
+        for model, held in sorted(group(ms, lambda m: m.model).items()):
+            rest = [m for m in ms if m.model != model]
+            if not rest:
+                continue
+            c = fit(rest, start_for(gpu_spec(gpu)))
+            errors = predict(c, held) / np.array([m.measured_s for m in held]) - 1
+            out.append(HeldOut(model, gpu, held[0].spec.params, len(held), tuple(float(e) for e in errors)))
+    return sorted(out, key=lambda h: (h.gpu, h.params))
+
+
+def format_constants(constants: dict[str, GpuConstants]) -> str:
+    lines = ["| GPU | bandwidth TB/s (of datasheet) | FLOP/s T (of peak) | host per step ms | host per seq us |",
+             "|---|---:|---:|---:|---:|"]
+    for name, c in constants.items():
+        gpu = gpu_spec(name)
+        lines.append(f"| {name} | {c.bandwidth_bps / 1e12:.2f} ({c.bandwidth_bps / gpu.bandwidth_bps:.0%}) | "
+                     f"{c.flop_rate / 1e12:.0f} ({c.flop_rate / gpu.peak_flops:.0%}) | {c.host_step_s * 1e3:.2f} | "
+                     f"{c.host_per_seq_s * 1e6:.1f} |")
+    return "\n".join(lines)
+
+
+def format_held_out(rows: Sequence[HeldOut], goal: float = 0.15) -> str:
+    lines = ["| GPU | model | params | points | mean abs error | bias | worst point | within 15% |",
+             "|---|---|---:|---:|---:|---:|---:|---|"]
+    for h in rows:
+        lines.append(f"| {h.gpu} | {h.model} | {h.params / 1e9:.2f} B | {h.points} | {h.mean_abs:.1%} | "
+                     f"{h.bias:+.1%} | {h.worst:+.1%} | {'yes' if h.mean_abs <= goal else 'no'} |")
+    return "\n".join(lines)
+
+
+def report(data_dir: Path = DATA_DIR) -> str:
+    """The fitted constants on all data, and the leave-one-model-out table."""
+    measurements = load_all(data_dir)
+    models = sorted({m.model for m in measurements})
+    gpus = sorted({m.gpu for m in measurements})
+    held = leave_one_model_out(measurements)
+    return "\n\n".join([
+        f"{len(measurements)} measurements, {len(models)} models ({', '.join(models)}), {len(gpus)} GPUs",
+        "Constants fitted on all data:\n" + format_constants(fit_per_gpu(measurements)),
+        "Leave one model out (constants of that GPU fitted without the model):\n" + format_held_out(held),
+        f"within 15% (mean abs error): {sum(h.mean_abs <= 0.15 for h in held)} of {len(held)}"])
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="sim stepfit", description=__doc__.splitlines()[0])
+    parser.add_argument("--data", type=Path, default=DATA_DIR, help="folder of the step data (planner/data/stepdata)")
+    print(report(parser.parse_args(argv).data))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,129 @@
+"""The cross-model step-time fit: its data and their provenance, the physics, the fit, leave-one-model-out."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from sim import stepfit
+from sim.gpus import get_gpu
+from sim.stepfit import GpuConstants, Measurement, Steps, StepTable
+from sim.steptime import StepTimeModel
+
+DATA = stepfit.DATA_DIR
+
+
+@pytest.fixture(scope="module")
+def measurements() -> list[Measurement]:
+    return stepfit.load_all()
+
+
+@pytest.mark.parametrize("name", [stepfit.BSC_FILE, stepfit.ARGONNE_FILE])
+def test_every_data_file_says_where_it_comes_from(name: str) -> None:
+    """Each CSV's header names its source repository, commit, GPU, engine and version, and every column."""
+    header, rows = stepfit.read_csv(DATA / name)
+    text = "\n".join(header)
+    assert "https://github.com/" in text and "commit " in text and "vLLM" in text and "GPU" in text.upper()
+    assert any(word in text for word in ("H100", "A100"))
+    columns = [line.split()[0] for line in header[header.index("Columns:") + 1:]]
+    assert set(rows[0]) <= set(columns), f"{name}: undocumented columns {set(rows[0]) - set(columns)}"
+
+
+def test_data_cover_five_models_from_1b_to_13b_on_several_gpus(measurements: list[Measurement]) -> None:
+    """At least 5 models spanning 1.3B to 13B parameters, on at least 2 GPU types, each with several points."""
+    params = {m.model: m.spec.params for m in measurements}
+    assert len(params) >= 5 and min(params.values()) < 1.5e9 and max(params.values()) > 12e9
+    assert len({m.gpu for m in measurements}) >= 2
+    assert {"A100-40GB", "H100-80GB", "H100-64GB"} <= {m.gpu for m in measurements}
+    assert all(m.measured_s > 0 and m.steps for m in measurements)
+
+
+@pytest.mark.parametrize("name, card", [("llama-2-7b", 6.74e9), ("llama-2-13b", 13.0e9), ("llama-3-8b", 8.03e9),
+                                        ("mistral-7b", 7.24e9), ("qwen2-7b", 7.62e9), ("opt-6.7b", 6.7e9)])
+def test_added_configs_match_the_model_cards(name: str, card: float) -> None:
+    """The parameter count computed from each added config.json is the model card's, to 2%."""
+    assert stepfit.model_spec(name).params == pytest.approx(card, rel=0.02)
+
+
+def test_rows_vllm_could_not_run_without_preempting_are_left_out() -> None:
+    """A 2048+2048-token request exceeds llama-7b's 2048-token context; 64 x 4096 tokens of Llama-2-7B's KV do not
+    fit an A100 40 GB: neither is a step-time measurement."""
+    loaded = stepfit.load_argonne(DATA / stepfit.ARGONNE_FILE)
+    labels = {(m.gpu, m.model, m.label) for m in loaded}
+    assert ("GH200", "llama-7b", "B=1 L=2048") not in labels
+    assert ("A100-40GB", "llama-2-7b", "B=64 L=2048") not in labels
+    assert ("A100-40GB", "llama-2-7b", "B=1 L=128") in labels
+
+
+def test_a_batch_is_one_prefill_then_l_minus_1_decode_steps() -> None:
+    """B prompts of L tokens: B x L prefill tokens, L - 1 decode steps of B sequences, context L+1 .. 2L-1."""
+    spec = stepfit.model_spec("llama-2-7b")
+    steps = stepfit.argonne_steps(spec, 16, 512)
+    prefill = [s for s in steps if s.kv_read == 0]
+    decode = [s for s in steps if s.kv_read > 0]
+    assert sum(s.count * s.new_tokens for s in prefill) == 16 * 512
+    assert sum(s.count for s in decode) == pytest.approx(511)
+    assert all(s.new_tokens == 16 for s in decode)
+    mean_ctx = sum(s.count * s.kv_read for s in decode) / sum(s.count for s in decode) / 16
+    assert mean_ctx == pytest.approx(512 * 1.5, rel=0.01)
+
+
+def test_step_prices_are_the_simulators() -> None:
+    """A step priced by the fit equals sim/steptime.py's host + device time for the same constants."""
+    spec, gpu = stepfit.model_spec("opt-1.3b"), get_gpu("H100-64GB")
+    c = GpuConstants(1.2e12, 400e12, 1.5e-3, 40e-6)
+    roofline = StepTimeModel(spec, gpu, c.step_cost(gpu))
+    for step in (Steps(1, 64, 64, 64 * 700, 64 * 700, 64), Steps(1, 2048, 4, 0, 4 * 512 * 513 / 2, 4)):
+        m = Measurement("test", gpu.name, "opt-1.3b", "x", 1.0, (step,), spec)
+        expected = roofline.host_s(int(step.seqs)) + roofline.device_s(
+            int(step.new_tokens), int(step.sampled), step.kv_read, step.attn_pairs)
+        assert stepfit.predict(c, [m])[0] == pytest.approx(expected, rel=1e-9)
+
+
+def synthetic(truth: GpuConstants, real: list[Measurement]) -> list[Measurement]:
+    """The real measurements' steps, with times generated from the model with `truth`."""
+    times = stepfit.predict(truth, real)
+    return [replace(m, measured_s=float(t)) for m, t in zip(real, times)]
+
+
+def test_the_fit_recovers_known_constants(measurements: list[Measurement]) -> None:
+    """Times generated from known constants give those constants back (bandwidth and host to 3%)."""
+    real = [m for m in measurements if m.gpu == "H100-64GB"]
+    truth = GpuConstants(1.3e12, 350e12, 2.0e-3, 45e-6)
+    got = stepfit.fit(synthetic(truth, real), stepfit.start_for(get_gpu("H100-64GB")))
+    assert got.bandwidth_bps == pytest.approx(truth.bandwidth_bps, rel=0.03)
+    assert got.host_step_s == pytest.approx(truth.host_step_s, rel=0.03)
+    assert got.host_per_seq_s == pytest.approx(truth.host_per_seq_s, rel=0.03)
+    table = StepTable.of(real)
+    assert np.allclose(table.predict(got), table.predict(truth), rtol=0.01)
+
+
+def test_leave_one_model_out_predicts_synthetic_data_exactly(measurements: list[Measurement]) -> None:
+    """With data from the model itself, every held-out model is predicted within 1%: the table computes what it
+    says (each model's error from constants fitted on the others only)."""
+    truth = GpuConstants(1.3e12, 350e12, 2.0e-3, 45e-6)
+    data = synthetic(truth, [m for m in measurements if m.gpu == "H100-64GB"])
+    held = stepfit.leave_one_model_out(data)
+    assert {h.model for h in held} == {"opt-1.3b", "opt-2.7b", "llama-2-7b", "llama-2-13b"}
+    assert all(h.mean_abs < 0.01 for h in held)
+
+
+def test_held_out_errors_on_the_real_data(measurements: list[Measurement]) -> None:
+    """On the public measurements, every held-out model on the H100 64 GB (1.3B to 13B) is within 15% on average;
+    the one documented exception elsewhere is Mistral-7B on the H100 80 GB (docs/sim.md says why)."""
+    bsc = [m for m in measurements if m.gpu == "H100-64GB"]
+    held = stepfit.leave_one_model_out(bsc)
+    assert len(held) == 4 and all(h.mean_abs <= 0.15 for h in held)
+    constants = stepfit.fit_per_gpu(bsc)["H100-64GB"]
+    cost = constants.step_cost(get_gpu("H100-64GB"))  # a valid simulator StepCost: efficiencies in (0, 1]
+    assert 0.5 < cost.mem_efficiency < 0.9 and 0.5e-3 < cost.host_step_s < 3e-3
+
+
+def test_the_report_prints_the_table() -> None:
+    """`sim stepfit` prints the constants and one held-out row per model and GPU."""
+    text = stepfit.report(Path(DATA))
+    assert "Leave one model out" in text and "| H100-64GB | llama-2-13b |" in text
+    assert "| A100-40GB | llama-3-8b |" in text
