@@ -228,7 +228,8 @@ async def running(config: GatewayConfig, resolver: Resolver | None = None, rng: 
     server = HttpServer(gateway.handle, config.max_body_bytes, clients.keepalive_s,
                         deadlines=Deadlines(clients.header_timeout_s, clients.body_timeout_s,
                                             clients.body_min_bytes_per_s, clients.send_timeout_s),
-                        max_connections=clients.max_connections)
+                        max_connections=clients.max_connections,
+                        on_shed=gateway.metrics.connections_shed.labels("no_request_head").inc)
     try:
         port = await server.start(config.host, config.port, sock=sock)
         gateway.serving()

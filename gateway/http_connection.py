@@ -33,6 +33,7 @@ class Deadlines:
     body_s: float = 20.0  # between two reads of a request body
     body_min_rate: float = 1024.0  # bytes/s: a body must have arrived by body_s + bytes / rate after its head
     send_s: float = 60.0  # an answer the client reads nothing of for this long (its send buffer full) is cut off
+    shed_s: float = 1.0  # at the connection cap, one with no whole request head this long after it opened gives way
 
 
 class Connection(ResponseWriter):
@@ -42,6 +43,8 @@ class Connection(ResponseWriter):
         self._server = server
         self._over = over  # accepted over max_connections: its request is answered 503
         self._spare = spare  # accepted with the spare descriptor, which is taken back when this closes
+        self._new = not over  # no whole request head yet: in the server's `headless`, may be shed at the cap
+        self._shed = False  # shed at the cap to make room for a new connection
         self._loop = server.loop
         self._parser = httptools.HttpRequestParser(self)
         self._transport: asyncio.Transport | None = None
@@ -70,7 +73,7 @@ class Connection(ResponseWriter):
         deadlines = server.deadlines
         self._head_limit = min(deadlines.header_s, server.discard_s) if over else deadlines.header_s
         self._idle_limit = min(server.keepalive_s, self._head_limit)  # until the first request: as for a head
-        self._last = self._loop.time()
+        self._last = self.opened_at = self._loop.time()
         self._timer_at = self._last + self._idle_limit
         self._timer = self._loop.call_at(self._timer_at, self._check)
         self.closing = False
@@ -80,12 +83,16 @@ class Connection(ResponseWriter):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = cast(asyncio.Transport, transport)  # uvloop's transports are not asyncio.Transport subclasses
         self._server.connections.add(self)
+        if self._new:
+            self._server.headless[self] = None
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closing = self._lost = True
         self._timer.cancel()
         self._server.connections.discard(self)
-        self._server.released(self._over, self._spare)
+        if self._new:
+            self._left_headless()
+        self._server.released(self._over, self._spare, self._shed)
         if self._task is not None:
             self._task.cancel()  # the client went away: stop working for it
         self._wake_writer()
@@ -189,6 +196,13 @@ class Connection(ResponseWriter):
             self.close()
 
     # -- closing ----------------------------------------------------------------------------------------------
+    def shed(self) -> None:
+        """Give way to a new connection at the cap (HttpServer._accept): answer 408 and close."""
+        self._left_headless()
+        self._shed = True
+        self._refuse(408, "the gateway is at its connection limit and this connection sent no whole request head "
+                          f"within {self._server.deadlines.shed_s:g} s", "request_timeout")
+
     def close(self) -> None:
         self._closing()
         if self._transport is not None:
@@ -200,7 +214,14 @@ class Connection(ResponseWriter):
         if self._transport is not None:
             self._transport.abort()
 
+    def _left_headless(self) -> None:
+        """The first request head is whole, or the connection is closing: it is no longer one to shed at the cap."""
+        self._new = False
+        self._server.headless.pop(self, None)
+
     def _closing(self) -> None:
         if not self.closing:
             self.closing = True
             self._closed_at = self._loop.time()
+            if self._new:
+                self._left_headless()

@@ -65,10 +65,12 @@ class RequestReader(asyncio.Protocol):
     _body_start: float
     _last: float
     _over: bool
+    _new: bool
 
     if TYPE_CHECKING:  # defined by the layers above (http_response.py, http_connection.py)
         def _refuse(self, status: int, message: str, code: str, linger: bool = False, extra: bytes = b"") -> None: ...
         def _watch(self) -> None: ...
+        def _left_headless(self) -> None: ...
         def close(self) -> None: ...
         async def _serve(self) -> None: ...
 
@@ -113,6 +115,8 @@ class RequestReader(asyncio.Protocol):
     def on_headers_complete(self) -> None:
         too_large, self._head_size = self._head_size > MAX_HEAD, -1
         self._body_start = self._last
+        if self._new:
+            self._left_headless()
         if self._discarding:
             return
         if self._over:

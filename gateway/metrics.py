@@ -158,11 +158,13 @@ class _Families(Collector):
         retries = CounterMetricFamily("gateway_retries", "Requests retried on another replica, by reason",
                                       labels=["reason"])
         rejections = CounterMetricFamily("gateway_rejections", "Requests refused, by reason", labels=["reason"])
+        shed = CounterMetricFamily("gateway_connections_shed", "Client connections closed at the connection cap to "
+                                   "make room for a new one, by reason", labels=["reason"])
         durations = HistogramMetricFamily("gateway_request_duration_seconds", "Time from request to last byte",
                                           labels=["replica", "model"])
         ttft = HistogramMetricFamily("gateway_time_to_first_token_seconds",
                                      "Time from request to first streamed token", labels=["replica", "model"])
-        by_name = {"requests": requests, "retries": retries, "rejections": rejections}
+        by_name = {"requests": requests, "retries": retries, "rejections": rejections, "shed": shed}
         histograms = {"duration": durations, "ttft": ttft}
         for (name, *labels), cells in sorted(sums.items()):
             if name in by_name:
@@ -173,7 +175,7 @@ class _Families(Collector):
                     running += count
                     buckets.append((le, running))
                 histograms[name].add_metric(labels, buckets, cells[-1])
-        yield from (requests, durations, ttft, retries, rejections)
+        yield from (requests, durations, ttft, retries, rejections, shed)
 
     def _live(self, rows: range) -> Iterator[Metric]:
         table, replicas = self._table, [r for r in self._router.replicas.values() if r.slot >= 0]
@@ -231,6 +233,7 @@ class Metrics:
         self._values = store.values
         self.retries = LabelledCounter(store, "retries")
         self.rejections = LabelledCounter(store, "rejections")
+        self.connections_shed = LabelledCounter(store, "shed")  # "no_request_head": HttpServer's on_shed
         self._counts: dict[tuple[str, str, int], int] = {}
         self._latency: dict[tuple[str, str], int] = {}
         self._ttft: dict[tuple[str, str], int] = {}

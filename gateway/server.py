@@ -11,9 +11,11 @@ overhead"). aiohttp still probes the replicas (health.py); this module serves on
 - 400 for malformed HTTP, 431 for a head over 64 KiB; a connection quiet for `keepalive_s` is closed;
 - deadlines for slow clients (`Deadlines`): a whole request head, each body read and a minimum body rate (408
   past them), and an answer the client does not read (the connection is cut off, cancelling the handler);
-- at most `max_connections` open connections: the next few are answered 503 with `Retry-After`, and beyond
-  those the server stops accepting (they wait in the kernel's backlog) until one closes; out of file
-  descriptors when accepting, one spare descriptor is given up to answer 503 (see SECURITY.md);
+- at most `max_connections` open connections. At the cap, the connection that opened longest ago and has not
+  sent its first request head whole for `Deadlines.shed_s` gives way to a new one (answered 408 and closed), so
+  slow clients cannot hold the cap; with none such, the next few are answered 503 with `Retry-After`, and beyond
+  those the server stops accepting (they wait in the kernel's backlog) until one closes or one can give way; out
+  of file descriptors when accepting, one spare descriptor is given up to answer 503 (see SECURITY.md);
 - a client that disconnects cancels its handler at once (so the proxy can abort the upstream request);
 - a graceful stop: stop listening, let requests in flight finish within a grace period, then cancel them.
 
@@ -30,6 +32,7 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Callable
 from email.utils import formatdate
 
 from .http_connection import Connection, Deadlines
@@ -52,7 +55,8 @@ class HttpServer:
     """Listens on a host and port and answers every request with `handler`."""
 
     def __init__(self, handler: Handler, max_body: int, keepalive_s: float = 75.0, discard_s: float = 5.0, *,
-                 deadlines: Deadlines | None = None, max_connections: int | None = None) -> None:
+                 deadlines: Deadlines | None = None, max_connections: int | None = None,
+                 on_shed: Callable[[], None] | None = None) -> None:
         self.handler = handler
         self.max_body = max_body
         self.keepalive_s = keepalive_s
@@ -63,6 +67,11 @@ class HttpServer:
         self.loop = asyncio.get_running_loop()
         self._serving = 0  # accepted within max_connections, not yet closed
         self._refusing = 0  # accepted over it, being answered 503
+        # within the cap, with no whole request head yet, in the order they opened: the first gives way at the cap
+        self.headless: dict[Connection, None] = {}
+        self._shedding = 0  # given way at the cap, not yet closed
+        self._shed_timer: asyncio.TimerHandle | None = None  # accepting waits for the oldest headless one to be due
+        self._on_shed = on_shed  # a metric
         self._listeners: list[socket.socket] = []
         self._accepting = False
         self._closed = False
@@ -98,8 +107,15 @@ class HttpServer:
 
     # -- accepting ----------------------------------------------------------------------------------------------
     def _accept(self, listener: socket.socket) -> None:
-        """Accept what is waiting, while there is room (connections, then refusals); else stop until one closes."""
-        while self._serving < self.max_connections or self._refusing < REFUSING:
+        """Accept what is waiting, while there is room (connections, then refusals); else stop until one closes.
+
+        At the cap, a connection that has sent no whole request head within `shed_s` of opening gives way to the
+        new one, oldest first: a new connection is refused only when every one within the cap has sent a request.
+        """
+        while True:
+            over = self._serving >= self.max_connections
+            if over and self._refusing >= REFUSING and not self._can_shed():
+                break
             try:
                 sock, _ = listener.accept()
             except (BlockingIOError, InterruptedError):
@@ -114,8 +130,37 @@ class HttpServer:
                 self._pause_accepting()
                 self._retry = self.loop.call_later(_ACCEPT_RETRY_S, self._retry_accepting)
                 return
-            self._attach(sock, over=self._serving >= self.max_connections)
+            if over and self._can_shed():
+                self._shed_oldest()
+                over = False
+            self._attach(sock, over=over)
         self._pause_accepting()
+        self._shed_when_due()
+
+    def _can_shed(self) -> bool:
+        if not self.headless or self._shedding >= REFUSING:  # each one shed holds its descriptor until it closes
+            return False
+        return next(iter(self.headless)).opened_at + self.deadlines.shed_s <= self.loop.time()
+
+    def _shed_oldest(self) -> None:
+        """Close the connection waiting longest for its first request head; its room goes to a new one."""
+        conn = next(iter(self.headless))
+        self._serving -= 1
+        self._shedding += 1
+        conn.shed()
+        if self._on_shed is not None:
+            self._on_shed()
+
+    def _shed_when_due(self) -> None:
+        """Accepting has stopped at the cap: try again when the oldest headless connection may give way."""
+        if self._shed_timer is None and self.headless and self._shedding < REFUSING:
+            due = next(iter(self.headless)).opened_at + self.deadlines.shed_s
+            self._shed_timer = self.loop.call_at(due, self._shed_due)
+
+    def _shed_due(self) -> None:
+        self._shed_timer = None
+        if self._retry is None:
+            self._resume_accepting()
 
     def _attach(self, sock: socket.socket, over: bool, spare: bool = False) -> None:
         sock.setblocking(False)
@@ -138,9 +183,11 @@ class HttpServer:
             sock.close()
             self.released(over, spare)
 
-    def released(self, over: bool, spare: bool) -> None:
+    def released(self, over: bool, spare: bool, shed: bool = False) -> None:
         """A connection closed: its room is free again."""
-        if over:
+        if shed:
+            self._shedding -= 1  # its room went to a new connection when it was shed
+        elif over:
             self._refusing -= 1
         else:
             self._serving -= 1
@@ -198,6 +245,9 @@ class HttpServer:
         if self._retry is not None:
             self._retry.cancel()
             self._retry = None
+        if self._shed_timer is not None:
+            self._shed_timer.cancel()
+            self._shed_timer = None
         for listener in self._listeners:
             listener.close()
         if self._spare is not None:
