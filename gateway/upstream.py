@@ -3,14 +3,17 @@
 One pool per gateway, one idle list per replica (most recently used first: its caches are warm). A connection
 goes back to the pool only when its response was read to the end and the replica kept it alive; one idle longer
 than `idle_s` is closed instead of reused, so it is never one the replica is closing (vLLM's server, uvicorn,
-closes idle connections after 5 s). A reused connection that fails before any byte of the answer is retried once on
-a new one: the replica closed it while idle and never saw the request. Read timeouts are the caller's (the proxy's
-watchdog); connecting is bounded here by `connect_s`.
+closes idle connections after 5 s). A timer closes them once `idle_s` has passed even when no request comes to
+take one, so a replica with a long keep-alive does not hold the gateway's descriptors after a burst. A reused
+connection that fails before any byte of the answer is retried once on a new one: the replica closed it while idle
+and never saw the request. Read timeouts are the caller's (the proxy's watchdog); connecting is bounded here by
+`connect_s`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import ssl
 from collections import deque
 from dataclasses import dataclass
@@ -20,6 +23,7 @@ from urllib.parse import urlsplit
 import httptools
 
 _PAUSE_AT = 256 * 1024  # stop reading from a replica while this much of its answer waits for the client
+_REAP_EARLY_S = 0.001  # a timer may fire a hair early: a connection this close to idle_s is closed, not waited for
 
 
 @dataclass(frozen=True, slots=True)
@@ -227,8 +231,9 @@ class UpstreamPool:
         self._idle_s = idle_s
         self._ssl = ssl_context
         self._loop = asyncio.get_running_loop()  # once: each lookup is a getpid() system call on Python 3.11
-        self._idle: dict[Origin, list[_Connection]] = {}
+        self._idle: dict[Origin, list[_Connection]] = {}  # each list oldest first: idle since it was put back
         self._closed = False
+        self._reaper: asyncio.TimerHandle | None = None  # closes idle connections once idle_s has passed
 
     async def request(self, origin: Origin, head: bytes, body: bytes) -> UpstreamResponse:
         """Send one request (`head` is its request line and headers, ending in a blank line); wait for its head."""
@@ -291,6 +296,25 @@ class UpstreamPool:
         conn.idle_since = self._loop.time()
         conn.head = None
         self._idle.setdefault(conn.origin, []).append(conn)
+        if self._reaper is None:
+            self._reaper = self._loop.call_at(conn.idle_since + self._idle_s, self._reap)
+
+    def _reap(self) -> None:
+        """Close the connections idle for `idle_s`; come back when the next one will have been."""
+        self._reaper = None
+        now = self._loop.time()
+        next_due = math.inf
+        for idle in self._idle.values():
+            stale = 0
+            while stale < len(idle) and idle[stale].idle_since + self._idle_s <= now + _REAP_EARLY_S:
+                stale += 1
+            expired, idle[:stale] = idle[:stale], []
+            for conn in expired:
+                conn.close()
+            if idle:
+                next_due = min(next_due, idle[0].idle_since + self._idle_s)
+        if next_due < math.inf:
+            self._reaper = self._loop.call_at(next_due, self._reap)
 
     def forget(self, conn: _Connection) -> None:
         idle = self._idle.get(conn.origin)
@@ -300,6 +324,9 @@ class UpstreamPool:
     def close(self) -> None:
         """Close every idle connection; connections in use close when their requests end."""
         self._closed = True
+        if self._reaper is not None:
+            self._reaper.cancel()
+            self._reaper = None
         for idle in self._idle.values():
             for conn in idle:
                 conn.close()

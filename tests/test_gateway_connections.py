@@ -15,9 +15,11 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aiohttp
+import psutil
 
 from gateway.server import Deadlines, HttpServer
-from tests.conftest import FakeFactory
+from gateway.upstream import Origin, UpstreamPool
+from tests.conftest import FakeFactory, until
 from tests.test_gateway_http import Echo, connect, read_eof, read_reply
 from tests.test_gateway_security import assert_openai_error, gateway_process, trickle
 
@@ -124,3 +126,33 @@ async def test_trickling_connections_cannot_hold_the_cap_under_ulimit_256(
     assert found and float(found.group(1)) >= 20, metrics
     text = log.read_text()
     assert "accepting up to 96 client connections" in text and "Traceback" not in text
+
+
+def replica_sockets(port: int) -> int:
+    """This process's established TCP connections to `port`."""
+    return sum(1 for c in psutil.Process().net_connections("tcp")
+               if c.raddr and c.raddr.port == port and c.status == psutil.CONN_ESTABLISHED)
+
+
+async def test_idle_replica_connections_close_after_idle_s_without_another_request(fake_replica: FakeFactory) -> None:
+    """Against a replica that keeps connections alive (aiohttp: 75 s), the pool's idle connections close once
+    idle_s has passed, with no request to take them; the timer stops with the pool."""
+    fake = await fake_replica()
+    origin = Origin.from_url(fake.url)
+    pool = UpstreamPool(connect_s=2, idle_s=0.3)
+    head = b"GET /v1/models HTTP/1.1\r\nHost: %b\r\n\r\n" % origin.host_header
+
+    async def one() -> None:
+        response = await asyncio.wait_for(pool.request(origin, head, b""), 5)
+        await asyncio.wait_for(response.read(), 5)
+        response.close()
+    await asyncio.gather(*(one() for _ in range(5)))
+    assert replica_sockets(origin.port) == 5
+    await asyncio.sleep(0.15)
+    await one()  # reuses one: it is idle from now, the other four from before
+    await until(lambda: replica_sockets(origin.port) == 1, 0.4)
+    assert replica_sockets(origin.port) == 1
+    await until(lambda: replica_sockets(origin.port) == 0, 1.0)
+    assert replica_sockets(origin.port) == 0
+    pool.close()
+    assert pool._reaper is None
