@@ -1,8 +1,10 @@
 """`sim`: serve simulated vLLM replicas, check the calibration, or run a large experiment in virtual time.
 
     sim serve --model CONFIG --gpu NAME --replicas N --port P [--max-num-seqs B] [--gpu-memory-utilization F]
+    sim serve --config replica.json --replicas N --port P     (a replica model from `sim calibrate --profile`)
     sim calibrate [--fit]
     sim stepfit
+    sim calibrate --profile DIR --out replica.json [--max-num-seqs B ...]
     sim run --model CONFIG --gpu NAME --replicas 16 --requests 100000 --load 0.8
 """
 
@@ -22,6 +24,7 @@ from gateway.config import DEFAULT_POLICY, POLICY_NAMES
 from .clock import LoopClock
 from .config import ServeConfig
 from .gpus import GpuSpec, get_gpu, parse_gpu_spec
+from .measured import ReplicaModel
 from .model import load_model
 from .node import Node, NodeSpec
 from .steptime import StepCost
@@ -33,8 +36,8 @@ class UsageError(ValueError):
     """A bad command-line value; the message names it."""
 
 
-def _add_node_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="a HF config.json, a directory holding one, or a shipped "
+def _add_node_flags(p: argparse.ArgumentParser, model_required: bool = True) -> None:
+    p.add_argument("--model", required=model_required, help="a HF config.json, a directory holding one, or a shipped "
                    "architecture as NAME or synthetic:NAME (opt-125m, opt-1.3b, opt-2.7b, qwen3-0.6b, qwen3-1.7b, "
                    "llama-3.2-1b, llama-3.2-3b, gemma-3-1b, smollm2-135m)")
     gpu = p.add_mutually_exclusive_group()
@@ -53,7 +56,9 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sim", description="Simulated vLLM replicas sharing one GPU")
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="serve N OpenAI-compatible simulated replicas on ports P..P+N-1")
-    _add_node_flags(serve)
+    _add_node_flags(serve, model_required=False)
+    serve.add_argument("--config", help="a replica model written by `sim calibrate --profile` (instead of --model): "
+                       "replicas that imitate the profiled one")
     serve.add_argument("--port", type=int, default=8000, help="first replica's port (8000)")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1)")
     serve.add_argument("--served-model-name", help="model name the API uses (default: the config's)")
@@ -61,6 +66,18 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     cal = sub.add_parser("calibrate", help="compare the simulator with the reference (and optionally refit)")
     cal.add_argument("--fit", action="store_true", help="refit the three step-time constants first (minutes)")
+    cal.add_argument("--profile", metavar="DIR", help="fit a replica model to this `planner profile` of a real "
+                     "replica instead, and write it to --out")
+    cal.add_argument("--out", metavar="FILE", help="with --profile: where to write the replica model (JSON)")
+    cal.add_argument("--max-num-seqs", type=int, help="the profiled replica's batch cap (if not in the profile)")
+    cal.add_argument("--max-num-batched-tokens", type=int, help="its token budget per step (if not in the profile)")
+    cal.add_argument("--max-model-len", type=int, help="its context length (if not in the profile)")
+    cal.add_argument("--chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
+                     help="whether it chunks prefills (vLLM V1: yes)")
+    cal.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                     help="whether it caches prefixes (vLLM V1: yes unless disabled)")
+    cal.add_argument("--tokenizer", help="the served model's tokenizer.json or its directory")
+    cal.add_argument("--served-model-name", help="the model name its API serves")
     run = sub.add_parser("run", help="a large experiment in virtual time: Poisson arrivals, gateway routing")
     _add_node_flags(run)
     run.add_argument("--requests", type=int, default=100_000)
@@ -138,11 +155,80 @@ async def serve(config: ServeConfig) -> None:
 def _calibrate(args: argparse.Namespace) -> None:
     from .calibrate import compare, fit, format_table
 
+    if args.profile:
+        _calibrate_profile(args)
+        return
     cost = StepCost()
     if args.fit:
         cost = fit(cost)
         print(f"fitted: {cost}")
     print(format_table(compare(cost), cost))
+
+
+def _calibrate_profile(args: argparse.Namespace) -> None:
+    from pathlib import Path
+
+    from .fromprofile import CalibrationError, EngineFacts, calibrate, format_fit
+
+    if not args.out:
+        raise UsageError("--profile needs --out FILE for the replica model")
+    given = EngineFacts(args.max_num_seqs, args.max_num_batched_tokens, args.chunked_prefill, args.prefix_caching,
+                        args.max_model_len, args.tokenizer, args.served_model_name)
+    try:
+        model, rows = calibrate(args.profile, given)
+    except CalibrationError as exc:
+        raise UsageError(str(exc)) from None
+    Path(args.out).write_text(model.to_json(), encoding="utf-8")
+    print(format_fit(model, rows))
+    print(f"replica model -> {args.out}; serve it: sim serve --config {args.out} --replicas N --port P")
+
+
+async def serve_measured(model: ReplicaModel, replicas: int, port: int, host: str, seed: int) -> None:
+    """Replicas imitating a calibrated real one, until SIGINT/SIGTERM."""
+    from .node import MeasuredSpec
+    from .server import HFCoder, make_app
+
+    loop = asyncio.get_running_loop()
+    coder = HFCoder(model.tokenizer) if model.tokenizer else None
+    _, _, engines = MeasuredSpec(model, replicas).build(LoopClock(loop))
+    runners = []
+    try:
+        for i, engine in enumerate(engines):
+            runner = web.AppRunner(make_app(engine, model.model_name, seed + i, coder, model.frontend_s),
+                                   access_log=None, handler_cancellation=True)
+            await runner.setup()
+            await web.TCPSite(runner, host, port + i).start()
+            runners.append(runner)
+        logger.info("%d replica(s) imitating %s (%s) at http://%s:%d..%d", replicas, model.model_name,
+                    model.source.get("profile", "?"), host, port, port + replicas - 1)
+        stop = asyncio.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+    finally:
+        for runner in runners:
+            await runner.cleanup()
+
+
+def _serve(args: argparse.Namespace) -> None:
+    import uvloop
+
+    if args.config:
+        from .measured import ConfigError
+
+        if args.model:
+            raise UsageError("give --model or --config, not both")
+        if args.replicas < 1 or not 0 < args.port <= 65535 - args.replicas + 1:
+            raise UsageError(f"--replicas {args.replicas} from --port {args.port} is out of range")
+        try:
+            model = ReplicaModel.load(args.config)
+        except ConfigError as exc:
+            raise UsageError(str(exc)) from None
+        uvloop.run(serve_measured(model, args.replicas, args.port, args.host, args.seed))
+        return
+    if not args.model:
+        raise UsageError("serve needs --model (a simulated architecture) or --config (a calibrated replica)")
+    uvloop.run(serve(serve_config(args)))
 
 
 def _run(args: argparse.Namespace) -> None:
@@ -164,9 +250,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         if args.command == "serve":
-            config = serve_config(args)
-            import uvloop
-            uvloop.run(serve(config))
+            _serve(args)
         elif args.command == "calibrate":
             _calibrate(args)
         elif args.command == "stepfit":

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 from .clock import Clock
 from .device import SharedDevice
-from .steptime import StepTimeModel
+from .steptime import StepTime
 
 WAITING, PREFILL, DECODE, FINISHED, ABORTED = "waiting", "prefill", "decode", "finished", "aborted"
 
@@ -120,7 +120,7 @@ def _blocks(tokens: int, size: int) -> int:
 class Engine:
     """One simulated vLLM replica."""
 
-    def __init__(self, config: EngineConfig, steptime: StepTimeModel, device: SharedDevice, clock: Clock,
+    def __init__(self, config: EngineConfig, steptime: StepTime, device: SharedDevice, clock: Clock,
                  name: str = "replica") -> None:
         self.config, self.steptime, self.device, self.clock, self.name = config, steptime, device, clock, name
         self._bs = config.block_size

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Union
 
 from .clock import Clock
 from .device import SharedDevice
@@ -10,7 +11,11 @@ from .engine import Engine, EngineConfig
 from .gpus import GpuSpec
 from .memory import num_gpu_blocks
 from .model import ModelSpec
-from .steptime import StepCost, StepTimeModel
+from .measured import MeasuredStepTime, ReplicaModel
+from .steptime import StepCost, StepTime, StepTimeModel
+
+if TYPE_CHECKING:
+    from gateway.speed import Speed
 
 
 @dataclass(frozen=True)
@@ -36,15 +41,63 @@ class NodeSpec:
                             max_model_len=self.model.max_model_len, chunked_prefill=self.chunked_prefill,
                             enable_prefix_caching=self.prefix_caching)
 
+    def build(self, clock: Clock) -> tuple[SharedDevice, StepTime, list[Engine]]:
+        """The shared GPU, the step-time model and the engines on it."""
+        device, steptime, config = SharedDevice(clock), StepTimeModel(self.model, self.gpu, self.cost), \
+            self.engine_config()
+        return device, steptime, [Engine(config, steptime, device, clock, f"replica-{i}") for i in range(self.replicas)]
+
+    def gateway_speed(self) -> Speed:
+        """What a profile of one replica alone would tell the gateway (see `sim.fleet.speed_of`)."""
+        from .fleet import speed_of
+
+        return speed_of(self)
+
+
+@dataclass(frozen=True)
+class MeasuredSpec:
+    """N replicas imitating a profiled real one (`sim calibrate --profile`), each on its own device unless the
+    model says they share one GPU."""
+
+    replica: ReplicaModel
+    replicas: int = 1
+
+    @property
+    def max_num_seqs(self) -> int:
+        return self.replica.max_num_seqs
+
+    @property
+    def prefix_caching(self) -> bool:
+        return self.replica.prefix_caching
+
+    def engine_config(self) -> EngineConfig:
+        r = self.replica
+        return EngineConfig(num_gpu_blocks=r.num_blocks, max_num_seqs=r.max_num_seqs,
+                            max_num_batched_tokens=r.max_num_batched_tokens, max_model_len=r.max_model_len,
+                            block_size=r.block_size, chunked_prefill=r.chunked_prefill,
+                            enable_prefix_caching=r.prefix_caching)
+
+    def build(self, clock: Clock) -> tuple[SharedDevice, StepTime, list[Engine]]:
+        shared, steptime, config = SharedDevice(clock), MeasuredStepTime(self.replica), self.engine_config()
+        return shared, steptime, [
+            Engine(config, steptime, shared if self.replica.shared_device else SharedDevice(clock), clock,
+                   f"replica-{i}") for i in range(self.replicas)]
+
+    def gateway_speed(self) -> Speed:
+        """The measured step times and prefill rate, as `planner plan` would give them to the gateway."""
+        from gateway.speed import Speed
+
+        return Speed(self.replica.step_s, self.replica.prefill_tokens_s)
+
+
+AnySpec = Union[NodeSpec, MeasuredSpec]
+
 
 class Node:
     """The shared device and the engines, running on one clock."""
 
-    def __init__(self, spec: NodeSpec, clock: Clock) -> None:
+    def __init__(self, spec: AnySpec, clock: Clock) -> None:
         self.spec = spec
         self.clock = clock
-        self.device = SharedDevice(clock)
-        self.steptime = StepTimeModel(spec.model, spec.gpu, spec.cost)
+        self.device, self.steptime, self.engines = spec.build(clock)
         self.engine_config = spec.engine_config()
-        self.engines = [Engine(self.engine_config, self.steptime, self.device, clock, f"replica-{i}")
-                        for i in range(spec.replicas)]

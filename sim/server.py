@@ -22,7 +22,8 @@ import random
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import Any, Protocol
 
 from aiohttp import web
 
@@ -37,6 +38,25 @@ logger = logging.getLogger(__name__)
 BYTES_PER_TOKEN = 4
 TOKEN_TEXT = " tok"  # 4 bytes: a client re-estimating tokens from text gets the count back
 _EOS_SIGMA = 0.8
+
+
+class Coder(Protocol):
+    """A tokenizer: text to token ids."""
+
+    def ids(self, text: str) -> list[int]: ...
+
+
+class HFCoder:
+    """A Hugging Face `tokenizers` tokenizer.json (a file, or the directory holding it)."""
+
+    def __init__(self, path: str) -> None:
+        from tokenizers import Tokenizer
+
+        file = Path(path)
+        self._tok = Tokenizer.from_file(str(file / "tokenizer.json" if file.is_dir() else file))
+
+    def ids(self, text: str) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=False).ids)
 
 
 class BadRequest(Exception):
@@ -56,6 +76,8 @@ class ReplicaState:
     model_name: str
     rng: random.Random = field(default_factory=random.Random)
     created: int = field(default_factory=lambda: int(time.time()))
+    coder: Coder | None = None  # the served model's tokenizer: exact prompt tokens and token-id blocks
+    frontend_s: float = 0.0  # the API server's time before the engine sees a request
     eos_mu: float = math.log(REFERENCE_OUTPUT_MEAN) - _EOS_SIGMA**2 / 2
     requests_total: dict[str, int] = field(default_factory=dict)
 
@@ -71,25 +93,26 @@ def estimate_tokens(text: str) -> int:
     return max(1, -(-len(text.encode()) // BYTES_PER_TOKEN))
 
 
-def _prompts(prompt: Any) -> list[int]:
+def _prompts(prompt: Any, coder: Coder | None = None) -> list[int]:
     """Token counts of a completions `prompt`: a string, a list of strings, token ids, or lists of token ids."""
+    count = estimate_tokens if coder is None else (lambda text: max(1, len(coder.ids(text))))
     if isinstance(prompt, str):
-        return [estimate_tokens(prompt)]
+        return [count(prompt)]
     if isinstance(prompt, list) and prompt:
         if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             return [len(prompt)]
         if all(isinstance(p, str) for p in prompt):
-            return [estimate_tokens(p) for p in prompt]
+            return [count(p) for p in prompt]
         if all(isinstance(p, list) and p and all(isinstance(t, int) for t in p) for p in prompt):
             return [len(p) for p in prompt]
     raise BadRequest("'prompt' must be a string, a list of strings, a list of token ids or a list of such lists",
                      "prompt")
 
 
-def _chat_tokens(messages: Any) -> int:
-    """The gateway's count of chat tokens (text plus template overhead), estimated from bytes."""
+def _chat_tokens(messages: Any, coder: Coder | None = None) -> int:
+    """The gateway's count of chat tokens (text plus template overhead), from bytes or the tokenizer."""
     try:
-        return chat_tokens(messages, estimate_tokens)
+        return chat_tokens(messages, estimate_tokens if coder is None else lambda text: len(coder.ids(text)))
     except GatewayError as exc:
         raise BadRequest(exc.message, exc.param) from None
 
@@ -117,14 +140,14 @@ class Parsed:
     include_usage: bool
 
 
-def parse(body: Any, kind: str, model_name: str) -> Parsed:
+def parse(body: Any, kind: str, model_name: str, coder: Coder | None = None) -> Parsed:
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
     model = body.get("model")
     if model != model_name:
         raise BadRequest(f"The model `{model}` does not exist.", "model", status=404)
     if kind == "chat":
-        prompts = [_chat_tokens(body.get("messages"))]
+        prompts = [_chat_tokens(body.get("messages"), coder)]
         texts = [_rendered(body["messages"])]
         max_tokens = _int(body, "max_completion_tokens", 1)
         if max_tokens is None:
@@ -132,7 +155,7 @@ def parse(body: Any, kind: str, model_name: str) -> Parsed:
     else:
         if "prompt" not in body:
             raise BadRequest("you must provide a prompt parameter", "prompt")
-        prompts = _prompts(body["prompt"])
+        prompts = _prompts(body["prompt"], coder)
         texts = _texts(body["prompt"])
         max_tokens = _int(body, "max_tokens", 1)
         if max_tokens is None:
@@ -176,6 +199,15 @@ def block_hashes(text: bytes, tokens: int, block_size: int) -> Sequence[int]:
     return hashes
 
 
+def id_block_hashes(ids: Sequence[int], block_size: int) -> Sequence[int]:
+    """Chained hashes of the full `block_size`-token blocks of a token-id sequence, as vLLM chains them."""
+    hashes, prev = [], 0
+    for start in range(0, len(ids) - block_size + 1, block_size):
+        prev = hash((prev, tuple(ids[start:start + block_size])))
+        hashes.append(prev)
+    return hashes
+
+
 class _Choice:
     """One choice being generated: its engine request and the tokens not yet written to the client."""
 
@@ -200,10 +232,12 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
     except (json.JSONDecodeError, UnicodeDecodeError):
         return _error(400, "the request body is not valid JSON")
     try:
-        parsed = parse(body, kind, state.model_name)
+        parsed = parse(body, kind, state.model_name, state.coder)
         choices = _submit(state, parsed)
     except BadRequest as exc:
         return _error(exc.status, str(exc), exc.param)
+    if state.frontend_s:
+        await asyncio.sleep(state.frontend_s)
     wake = asyncio.Event()
     for choice in choices:
         choice.req.on_token = _on_token(choice, wake)
@@ -232,7 +266,10 @@ def _submit(state: ReplicaState, parsed: Parsed) -> list[_Choice]:
     limit = config.max_model_len
     choices: list[_Choice] = []
     for prompt, text in zip(parsed.prompts, parsed.texts):
-        blocks = block_hashes(text, prompt, config.block_size) if config.enable_prefix_caching else None
+        blocks = None
+        if config.enable_prefix_caching:
+            blocks = block_hashes(text, prompt, config.block_size) if state.coder is None else \
+                id_block_hashes(state.coder.ids(text.decode(errors="replace")), config.block_size)
         budget = parsed.max_tokens if parsed.max_tokens is not None else limit - prompt
         if prompt + budget > limit:
             raise BadRequest(f"This model's maximum context length is {limit} tokens. However, you requested "
@@ -350,9 +387,9 @@ def render_metrics(state: ReplicaState) -> str:
     """vLLM's metric names (V1 and the older V0 usage name) and a few `sim:` extras."""
     e, cfg = state.engine, state.engine.config
     label = f'model_name="{state.model_name}"'
-    kv_bytes = cfg.num_gpu_blocks * cfg.block_size * e.steptime.model.kv_bytes_per_token
+    kv_bytes = cfg.num_gpu_blocks * cfg.block_size * e.steptime.kv_bytes_per_token
     info = (f'block_size="{cfg.block_size}",num_gpu_blocks="{cfg.num_gpu_blocks}",'
-            f'kv_cache_memory_bytes="{kv_bytes}",max_num_seqs="{cfg.max_num_seqs}",'
+            f'kv_cache_memory_bytes="{kv_bytes:.0f}",max_num_seqs="{cfg.max_num_seqs}",'
             f'max_num_batched_tokens="{cfg.max_num_batched_tokens}",'
             f'enable_prefix_caching="{cfg.enable_prefix_caching}"')
     lines = [
@@ -387,10 +424,11 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(text=render_metrics(request.app[STATE]), content_type="text/plain")
 
 
-def make_app(engine: Engine, model_name: str, seed: int | None = None) -> web.Application:
+def make_app(engine: Engine, model_name: str, seed: int | None = None, coder: Coder | None = None,
+             frontend_s: float = 0.0) -> web.Application:
     """One simulated replica's aiohttp application."""
     app = web.Application()
-    app[STATE] = ReplicaState(engine, model_name, random.Random(seed))
+    app[STATE] = ReplicaState(engine, model_name, random.Random(seed), coder=coder, frontend_s=frontend_s)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat)
     app.router.add_get("/v1/models", models)

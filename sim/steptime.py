@@ -28,6 +28,7 @@ several replicas get more tokens/s out of one GPU than one instance at any batch
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 from .gpus import GpuSpec
 from .model import ModelSpec
@@ -51,12 +52,23 @@ class StepCost:
                 raise ValueError(f"{name} must be in (0, 1], got {getattr(self, name)!r}")
 
 
+class StepTime(Protocol):
+    """What an engine asks of a step-time model (this roofline, or `sim.measured.MeasuredStepTime`)."""
+
+    kv_bytes_per_token: float
+
+    def host_s(self, seqs: int) -> float: ...
+
+    def device_s(self, new_tokens: int, sampled: int, kv_read: float, attn_pairs: float) -> float: ...
+
+
 class StepTimeModel:
     """Step times for one model on one GPU; coefficients are precomputed because this runs once per step."""
 
     def __init__(self, model: ModelSpec, gpu: GpuSpec, cost: StepCost | None = None) -> None:
         self.model, self.gpu = model, gpu
         self.cost = cost = cost or StepCost()
+        self.kv_bytes_per_token = float(model.kv_bytes_per_token)
         bw = gpu.bandwidth_bps * cost.mem_efficiency
         peak = gpu.peak_flops * cost.flop_efficiency
         self._weights_s = model.weight_read_bytes / bw

@@ -1,0 +1,239 @@
+"""`sim calibrate --profile DIR`: a `ReplicaModel` fitted to a `planner profile` of one real replica.
+
+The profile is a closed-loop sweep: at each batch size B, B clients each send fixed-length requests (I prompt
+tokens, O output tokens) one after another. From it:
+
+- `step(B)`: the point's median inter-token latency, the time of a step that decodes B sequences and prefills
+  nothing (most gaps are such steps; those holding a prompt chunk are the long tail);
+- `prefill_s_per_token` and `frontend_s`: fitted (Nelder-Mead, in log space) so that the same sweep, replayed on
+  the simulated replica in virtual time, gives the profile's median TTFT and mean TPOT at every B. TTFT at small
+  B pins the front-end latency, at large B (B prompts prefilled together) the prefill cost; TPOT checks both;
+- the scheduler's limits (`max_num_seqs`, `max_num_batched_tokens`, chunked prefill, prefix caching) from the
+  profile's vLLM arguments or the command line, the KV pool (blocks, block size) from the replica's
+  `vllm:cache_config_info` as the profile recorded it, `max_model_len` likewise.
+
+Nothing is defaulted silently: what neither the profile nor the command line gives is an error naming it.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+
+from planner.errors import PlannerError
+from planner.points import Profile
+from planner.sources import load_profile
+
+from .calibrate import nelder_mead
+from .clock import VirtualClock
+from .device import SharedDevice
+from .engine import Engine, EngineConfig, SimRequest
+from .measured import MeasuredStepTime, ReplicaModel
+from .node import MeasuredSpec
+
+
+class CalibrationError(ValueError):
+    """The profile lacks what the calibration needs; the message lists every missing item."""
+
+
+@dataclass(frozen=True)
+class EngineFacts:
+    """The scheduler settings of the profiled replica: from the command line, else from the profile."""
+
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    chunked_prefill: bool | None = None
+    prefix_caching: bool | None = None
+    max_model_len: int | None = None
+    tokenizer: str | None = None
+    model_name: str | None = None
+
+
+@dataclass(frozen=True)
+class PointFit:
+    """One batch size: measured against simulated."""
+
+    batch_size: int
+    ttft_p50_ms: float
+    sim_ttft_p50_ms: float
+    tpot_mean_ms: float
+    sim_tpot_mean_ms: float
+
+
+def _flag(args: Sequence[str], name: str) -> str | None:
+    """The value of `--name V` or `--name=V` in a vLLM argument list."""
+    for i, arg in enumerate(args):
+        if arg == name and i + 1 < len(args):
+            return args[i + 1]
+        if arg.startswith(name + "="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def _bool_flag(args: Sequence[str], name: str) -> bool | None:
+    if f"--{name}" in args:
+        return True
+    if f"--no-{name}" in args:
+        return False
+    return None
+
+
+def facts_from_profile(profile: Profile, given: EngineFacts) -> EngineFacts:
+    """`given` completed from the profile's vLLM arguments (the command line wins)."""
+    args = profile.context.vllm_args
+
+    def number(name: str) -> int | None:
+        value = _flag(args, name)
+        return int(value) if value is not None else None
+
+    return EngineFacts(
+        max_num_seqs=given.max_num_seqs or number("--max-num-seqs"),
+        max_num_batched_tokens=given.max_num_batched_tokens or number("--max-num-batched-tokens"),
+        chunked_prefill=given.chunked_prefill if given.chunked_prefill is not None
+        else _bool_flag(args, "enable-chunked-prefill"),
+        prefix_caching=given.prefix_caching if given.prefix_caching is not None
+        else _bool_flag(args, "enable-prefix-caching"),
+        max_model_len=given.max_model_len or number("--max-model-len"),
+        tokenizer=given.tokenizer or _tokenizer_of(profile.context.model),
+        model_name=given.model_name or profile.context.model)
+
+
+def _tokenizer_of(model: str | None) -> str | None:
+    if model and (Path(model) / "tokenizer.json").is_file():
+        return model
+    return None
+
+
+def check(profile: Profile, facts: EngineFacts) -> None:
+    """Raise CalibrationError listing everything the calibration needs and the profile lacks."""
+    missing = []
+    work = profile.context.workload
+    if work.kind != "fixed" or not work.input_tokens or not work.output_tokens:
+        missing.append("a fixed-length workload (planner profile --input-tokens/--output-tokens), got "
+                       f"{work.kind!r}")
+    elif work.output_tokens < 2:
+        missing.append("at least 2 output tokens per request (a time per output token)")
+    for p in profile.points:
+        for what, value in (("itl_ms.p50", p.itl_ms.p50), ("ttft_ms.p50", p.ttft_ms.p50),
+                            ("tpot_ms.mean", p.tpot_ms.mean)):
+            if not value:
+                missing.append(f"B={p.batch_size}: {what}")
+    if not any(p.kv_pool for p in profile.points):
+        missing.append("the KV pool (vllm:cache_config_info: num_gpu_blocks, block_size)")
+    for name, flag in (("max_num_seqs", "--max-num-seqs"), ("max_num_batched_tokens", "--max-num-batched-tokens"),
+                       ("chunked_prefill", "--chunked-prefill/--no-chunked-prefill"),
+                       ("prefix_caching", "--prefix-caching/--no-prefix-caching"),
+                       ("max_model_len", "--max-model-len"), ("model_name", "--served-model-name")):
+        if getattr(facts, name) is None:
+            missing.append(f"{name} (not in the profile's vLLM arguments: give {flag})")
+    if missing:
+        raise CalibrationError(f"the profile {profile.context.source!r} cannot calibrate the simulator; "
+                               "missing: " + "; ".join(missing))
+
+
+def initial_model(profile: Profile, facts: EngineFacts) -> ReplicaModel:
+    """Step times from the median gaps; prefill cost and front-end latency from the smallest B's TTFT."""
+    pool = next(p.kv_pool for p in reversed(profile.points) if p.kv_pool)
+    assert pool is not None and facts.max_num_seqs and facts.max_num_batched_tokens and facts.max_model_len
+    steps = tuple((p.batch_size, (p.itl_ms.p50 or 0) / 1e3) for p in profile.points)
+    first = profile.points[0]
+    prompt = profile.context.workload.input_tokens or 1
+    rest = max((first.ttft_ms.p50 or 0) / 1e3 - steps[0][1], 1e-4)
+    return ReplicaModel(
+        model_name=str(facts.model_name), step_s=steps, prefill_s_per_token=rest / 2 / prompt, frontend_s=rest / 2,
+        max_num_seqs=facts.max_num_seqs, max_num_batched_tokens=facts.max_num_batched_tokens,
+        chunked_prefill=bool(facts.chunked_prefill), prefix_caching=bool(facts.prefix_caching),
+        block_size=pool.block_size, num_blocks=pool.num_blocks, max_model_len=facts.max_model_len,
+        tokenizer=facts.tokenizer, kv_bytes_per_token=pool.bytes_per_token or 0.0,
+        source={"profile": profile.context.source, "device": profile.context.device,
+                "workload": f"{prompt} prompt + {profile.context.workload.output_tokens} output tokens, closed loop",
+                "step_s": "median inter-token latency at each batch size",
+                "prefill_s_per_token, frontend_s": "fitted: the sweep replayed in virtual time"})
+
+
+def engine_config(model: ReplicaModel) -> EngineConfig:
+    return MeasuredSpec(model).engine_config()
+
+
+def replay(model: ReplicaModel, batch_size: int, requests: int, prompt: int, output: int) -> tuple[float, float]:
+    """(median TTFT s, mean TPOT s) of the closed-loop point replayed on the simulated replica in virtual time."""
+    clock = VirtualClock()
+    engine = Engine(engine_config(model), MeasuredStepTime(model), SharedDevice(clock), clock)
+    sent: dict[int, float] = {}
+    done: list[SimRequest] = []
+    left = [requests]
+
+    def send() -> None:
+        if left[0] <= 0:
+            return
+        left[0] -= 1
+        req = SimRequest(prompt, output, on_finish=finish)
+        sent[req.rid] = clock.now()
+        clock.call_at(clock.now() + model.frontend_s, engine.add, req)
+
+    def finish(req: SimRequest) -> None:
+        done.append(req)
+        send()
+
+    for _ in range(min(batch_size, requests)):
+        send()
+    clock.run()
+    ttfts = [(r.first_token_at or 0.0) - sent[r.rid] for r in done]
+    tpots = [((r.finished_at or 0.0) - (r.first_token_at or 0.0)) / (output - 1) for r in done]
+    return statistics.median(ttfts), statistics.fmean(tpots)
+
+
+def compare(model: ReplicaModel, profile: Profile) -> list[PointFit]:
+    work = profile.context.workload
+    rows = []
+    for p in profile.points:
+        ttft, tpot = replay(model, p.batch_size, p.num_requests or max(32, 4 * p.batch_size),
+                            work.input_tokens or 1, work.output_tokens or 2)
+        rows.append(PointFit(p.batch_size, p.ttft_ms.p50 or 0.0, ttft * 1e3, p.tpot_ms.mean or 0.0, tpot * 1e3))
+    return rows
+
+
+def _error(rows: Sequence[PointFit]) -> float:
+    return float(np.mean([math.log(r.sim_ttft_p50_ms / r.ttft_p50_ms) ** 2 +
+                          math.log(r.sim_tpot_mean_ms / r.tpot_mean_ms) ** 2 for r in rows]))
+
+
+def calibrate(profile_dir: str | Path, given: EngineFacts = EngineFacts(),
+              iters: int = 40) -> tuple[ReplicaModel, list[PointFit]]:
+    """The fitted replica model and its point-by-point comparison with the profile."""
+    try:
+        profile = load_profile(profile_dir)
+    except PlannerError as exc:
+        raise CalibrationError(str(exc)) from None
+    facts = facts_from_profile(profile, given)
+    check(profile, facts)
+    start = initial_model(profile, facts)
+
+    def model_of(x: np.ndarray) -> ReplicaModel:
+        return replace(start, prefill_s_per_token=abs(float(x[0])) * 1e-6, frontend_s=abs(float(x[1])) * 1e-3)
+
+    x0 = np.array([start.prefill_s_per_token * 1e6, start.frontend_s * 1e3])
+    best = nelder_mead(lambda x: _error(compare(model_of(x), profile)), x0, x0 * 0.5 + 1e-3, iters)
+    fitted = model_of(best)
+    return fitted, compare(fitted, profile)
+
+
+def format_fit(model: ReplicaModel, rows: Sequence[PointFit]) -> str:
+    lines = [f"step(B) s: " + ", ".join(f"{b}: {s * 1e3:.2f} ms" for b, s in model.step_s),
+             f"prefill: {model.prefill_s_per_token * 1e6:.1f} us/token ({model.prefill_tokens_s:,.0f} tokens/s); "
+             f"front end: {model.frontend_s * 1e3:.1f} ms",
+             f"max_num_seqs {model.max_num_seqs}, max_num_batched_tokens {model.max_num_batched_tokens}, "
+             f"chunked prefill {model.chunked_prefill}, prefix caching {model.prefix_caching}, "
+             f"{model.num_blocks} blocks of {model.block_size} tokens, max_model_len {model.max_model_len}",
+             "", "| B | TTFT p50 ms real | sim | error | TPOT mean ms real | sim | error |",
+             "|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r.batch_size} | {r.ttft_p50_ms:.1f} | {r.sim_ttft_p50_ms:.1f} | "
+                     f"{r.sim_ttft_p50_ms / r.ttft_p50_ms - 1:+.1%} | {r.tpot_mean_ms:.2f} | "
+                     f"{r.sim_tpot_mean_ms:.2f} | {r.sim_tpot_mean_ms / r.tpot_mean_ms - 1:+.1%} |")
+    return "\n".join(lines)

@@ -1,0 +1,133 @@
+"""A replica imitated from measurements: step times by batch size, a prefill cost per token, a front-end latency.
+
+`sim calibrate --profile DIR` writes a `ReplicaModel` as JSON (see `sim/fromprofile.py`); `sim serve --config FILE`
+serves replicas that behave like it. Where `sim/steptime.py` derives a step from a GPU's roofline, this model
+takes what was measured on the real replica:
+
+    step_s = step(sequences in the step) + prefill_s_per_token x prompt tokens computed in the step
+
+`step(n)` is linear between the measured batch sizes (and along the last segment beyond them): the time of a step
+decoding n sequences. The whole step is host time here (a CPU replica has no device to share with its
+neighbours: `shared_device` false gives each replica its own); a GPU profile keeps the same form. `frontend_s` is
+the time a request spends in vLLM's API server before the engine sees it (tokenizing, queueing between
+processes): added to every time to first token.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A replica model file that cannot be used; the message names the field."""
+
+
+@dataclass(frozen=True)
+class ReplicaModel:
+    """Everything `sim serve --config` needs to imitate one real replica."""
+
+    model_name: str
+    step_s: tuple[tuple[int, float], ...]  # (batch size, seconds of a step decoding that many), ascending
+    prefill_s_per_token: float
+    frontend_s: float
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    chunked_prefill: bool
+    prefix_caching: bool
+    block_size: int
+    num_blocks: int
+    max_model_len: int
+    tokenizer: str | None = None  # tokenizer.json or its directory: prompt tokens counted exactly
+    kv_bytes_per_token: float = 0.0
+    shared_device: bool = False  # True: replicas on one GPU share it (device part), as sim/device.py does
+    source: dict[str, Any] = field(default_factory=dict)  # where each figure came from (for the reader)
+
+    def __post_init__(self) -> None:
+        if not self.step_s:
+            raise ConfigError("step_s needs at least one (batch size, seconds) pair")
+        sizes = [b for b, _ in self.step_s]
+        if sizes != sorted(set(sizes)) or sizes[0] < 1:
+            raise ConfigError(f"step_s batch sizes must be positive and ascending, got {sizes}")
+        if any(not s > 0 for _, s in self.step_s):
+            raise ConfigError(f"step_s times must be positive, got {[s for _, s in self.step_s]}")
+        for name in ("prefill_s_per_token", "frontend_s", "kv_bytes_per_token"):
+            if not getattr(self, name) >= 0:
+                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "num_blocks", "max_model_len"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+
+    @property
+    def prefill_tokens_s(self) -> float:
+        return 1.0 / self.prefill_s_per_token if self.prefill_s_per_token else float("inf")
+
+    def step(self, seqs: int) -> float:
+        """Seconds of a step over `seqs` sequences, interpolated (extrapolated past the last measured size)."""
+        table = self.step_s
+        if seqs <= table[0][0] or len(table) == 1:
+            return table[0][1] if seqs <= table[0][0] else table[-1][1]
+        i = bisect.bisect_left([b for b, _ in table], seqs)
+        (b0, s0), (b1, s1) = (table[i - 1], table[i]) if i < len(table) else (table[-2], table[-1])
+        return max(table[0][1], s0 + (s1 - s0) * (seqs - b0) / (b1 - b0))
+
+    def to_json(self) -> str:
+        data = asdict(self)
+        data["step_s"] = {str(b): s for b, s in self.step_s}
+        return json.dumps(data, indent=2) + "\n"
+
+    @classmethod
+    def from_dict(cls, data: Any) -> ReplicaModel:
+        if not isinstance(data, dict):
+            raise ConfigError("a replica model must be a JSON object")
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"unknown key(s) in the replica model: {', '.join(unknown)}")
+        data = dict(data)
+        steps = data.get("step_s")
+        if not isinstance(steps, dict):
+            raise ConfigError("step_s must map batch sizes to seconds")
+        try:
+            data["step_s"] = tuple(sorted((int(b), float(s)) for b, s in steps.items()))
+            return cls(**data)
+        except (TypeError, ValueError) as exc:
+            if isinstance(exc, ConfigError):
+                raise
+            raise ConfigError(f"bad replica model: {exc}") from None
+
+    @classmethod
+    def load(cls, path: str | Path) -> ReplicaModel:
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except OSError as exc:
+            raise ConfigError(f"cannot read the replica model {str(path)!r}: {exc.strerror}") from None
+        try:
+            return cls.from_dict(json.loads(text))
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{str(path)!r} is not JSON: {exc}") from None
+
+
+class MeasuredStepTime:
+    """Step times from a `ReplicaModel`, behind the same two calls the engine makes of `StepTimeModel`."""
+
+    def __init__(self, model: ReplicaModel) -> None:
+        self.replica = model
+        self.kv_bytes_per_token = model.kv_bytes_per_token
+        self._prefill = model.prefill_s_per_token
+        self._cache: dict[int, float] = {}
+
+    def host_s(self, seqs: int) -> float:
+        cached = self._cache.get(seqs)
+        if cached is None:
+            cached = self._cache[seqs] = self.replica.step(seqs)
+        return cached
+
+    def device_s(self, new_tokens: int, sampled: int, kv_read: float, attn_pairs: float) -> float:
+        # Prompt tokens computed this step: every new token but the decoding sequences' one each (a chunk that
+        # completes its prompt samples too, so this undercounts by at most one token per such chunk).
+        return self._prefill * max(0, new_tokens - sampled)

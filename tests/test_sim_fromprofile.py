@@ -1,0 +1,145 @@
+"""`sim calibrate --profile`: a replica model fitted to a profile, its file format, and `sim serve --config`."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from planner.points import KvPool, Latency, ProfileContext, ProfilePoint, Workload
+from planner.sources import write_point
+from sim.clock import LoopClock
+from sim.fleet import capacity, saturation_sample
+from sim.fromprofile import CalibrationError, EngineFacts, calibrate, replay
+from sim.measured import ConfigError, MeasuredStepTime, ReplicaModel
+from sim.node import MeasuredSpec, Node
+from sim.server import make_app
+from sim.workload import RequestSpec
+
+FACTS = EngineFacts(max_num_seqs=32, max_num_batched_tokens=2048, chunked_prefill=True, prefix_caching=True,
+                    max_model_len=2048)
+TRUE = ReplicaModel(model_name="m", step_s=((1, 0.007), (4, 0.0085), (16, 0.0146), (32, 0.0223)),
+                    prefill_s_per_token=80e-6, frontend_s=0.012, max_num_seqs=32, max_num_batched_tokens=2048,
+                    chunked_prefill=True, prefix_caching=True, block_size=128, num_blocks=2048, max_model_len=2048)
+
+
+def write_profile(directory: Path, model: ReplicaModel, prompt: int = 256, output: int = 64,
+                  context: ProfileContext | None = None) -> None:
+    """A profile as `planner profile` writes it, of a replica that behaves exactly like `model`."""
+    context = context or ProfileContext(model="m", device="cpu", workload=Workload("fixed", prompt, output))
+    for b, step in model.step_s:
+        ttft, tpot = replay(model, b, max(32, 4 * b), prompt, output)
+        write_point(directory, context, ProfilePoint(
+            batch_size=b, total_tok_s=1.0, ttft_ms=Latency(p50=ttft * 1e3), tpot_ms=Latency(mean=tpot * 1e3),
+            itl_ms=Latency(p50=step * 1e3), kv_pool=KvPool(model.num_blocks, model.block_size)))
+
+
+def test_step_time_is_interpolated_between_measured_batch_sizes_and_extrapolated_past_them() -> None:
+    """step(n) is linear between the measured sizes, flat below the first, along the last segment beyond."""
+    assert TRUE.step(1) == 0.007 and TRUE.step(0) == 0.007
+    assert TRUE.step(10) == pytest.approx(0.0085 + (0.0146 - 0.0085) * 6 / 12)
+    assert TRUE.step(64) == pytest.approx(0.0223 + (0.0223 - 0.0146) * 2)
+    cost = MeasuredStepTime(TRUE)
+    assert cost.host_s(4) == 0.0085 and cost.device_s(4 + 100, 4, 0, 0) == pytest.approx(100 * 80e-6)
+
+
+def test_the_replica_model_round_trips_through_json_and_names_a_bad_field() -> None:
+    """to_json/from_dict is the identity; an unknown key or a bad value is an error naming it."""
+    assert ReplicaModel.from_dict(json.loads(TRUE.to_json())) == TRUE
+    with pytest.raises(ConfigError, match="unknown key.*speed"):
+        ReplicaModel.from_dict({**json.loads(TRUE.to_json()), "speed": 1})
+    with pytest.raises(ConfigError, match="max_num_seqs"):
+        replace(TRUE, max_num_seqs=0)
+    with pytest.raises(ConfigError, match="ascending"):
+        replace(TRUE, step_s=((4, 0.01), (1, 0.005)))
+
+
+def test_calibration_recovers_the_prefill_cost_and_front_end_of_a_known_replica(tmp_path: Path) -> None:
+    """A profile of a replica that is exactly a known model gives back its constants and a close fit."""
+    write_profile(tmp_path, TRUE)
+    fitted, rows = calibrate(tmp_path, FACTS)
+    assert fitted.prefill_s_per_token == pytest.approx(TRUE.prefill_s_per_token, rel=0.1)
+    assert fitted.frontend_s == pytest.approx(TRUE.frontend_s, rel=0.1)
+    assert fitted.step_s == TRUE.step_s and (fitted.block_size, fitted.num_blocks) == (128, 2048)
+    for row in rows:
+        assert row.sim_ttft_p50_ms == pytest.approx(row.ttft_p50_ms, rel=0.05)
+        assert row.sim_tpot_mean_ms == pytest.approx(row.tpot_mean_ms, rel=0.05)
+
+
+def test_a_profile_missing_what_the_simulator_needs_is_an_error_naming_each_item(tmp_path: Path) -> None:
+    """No silent defaults: the scheduler settings not in the profile's vLLM arguments are listed."""
+    write_profile(tmp_path, TRUE)
+    with pytest.raises(CalibrationError) as info:
+        calibrate(tmp_path, EngineFacts(max_num_seqs=32))
+    message = str(info.value)
+    for item in ("max_num_batched_tokens", "chunked_prefill", "prefix_caching", "max_model_len"):
+        assert item in message
+    assert "max_num_seqs" not in message
+
+
+def test_settings_in_the_profiles_vllm_arguments_need_no_flags(tmp_path: Path) -> None:
+    """--max-num-seqs and friends are read from the vLLM arguments the profile recorded."""
+    args = ("--max-num-seqs", "32", "--max-num-batched-tokens=2048", "--enable-chunked-prefill",
+            "--no-enable-prefix-caching", "--max-model-len", "2048")
+    write_profile(tmp_path, TRUE, context=ProfileContext(model="m", device="cpu", vllm_args=args,
+                                                         workload=Workload("fixed", 256, 64)))
+    fitted, _ = calibrate(tmp_path, EngineFacts(), iters=5)
+    assert (fitted.max_num_seqs, fitted.max_num_batched_tokens, fitted.chunked_prefill, fitted.prefix_caching) == \
+        (32, 2048, True, False)
+
+
+def test_replicas_of_a_cpu_profile_do_not_share_a_device() -> None:
+    """Two CPU replicas (own cores) serve twice what one does; a model marked shared_device splits one GPU."""
+    specs = [RequestSpec(128, 32)] * 64
+
+    def cap(model: ReplicaModel, n: int) -> float:
+        spec = MeasuredSpec(model, n)
+        return capacity(spec, saturation_sample(spec, specs))
+
+    one, two = cap(TRUE, 1), cap(TRUE, 2)
+    assert two == pytest.approx(2 * one, rel=0.05)
+    gpu = replace(TRUE, step_s=((1, 1e-6), (32, 2e-6)), prefill_s_per_token=1e-3)  # all device time
+    assert cap(gpu, 2) == pytest.approx(2 * cap(gpu, 1), rel=0.05)
+    assert cap(replace(gpu, shared_device=True), 2) == pytest.approx(cap(gpu, 1), rel=0.05)
+
+
+async def test_a_served_replica_model_streams_at_its_measured_pace(aiohttp_server: Any) -> None:
+    """Over HTTP: a 256-token prompt's first token comes after the front end, one step and its prefill."""
+    node = Node(MeasuredSpec(TRUE, 1), LoopClock(asyncio.get_running_loop()))
+    server = await aiohttp_server(make_app(node.engines[0], "m", 0, None, TRUE.frontend_s))
+    body = {"model": "m", "prompt": "abcd" * 256, "max_tokens": 8, "stream": True, "ignore_eos": True}
+    async with aiohttp.ClientSession() as session:
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        async with session.post(str(server.make_url("/v1/completions")), json=body) as response:
+            assert response.status == 200
+            first = None
+            async for line in response.content:
+                if line.startswith(b"data: {") and first is None:
+                    first = loop.time() - start
+    expected = TRUE.frontend_s + TRUE.step(1) + 255 * TRUE.prefill_s_per_token
+    assert first is not None and expected * 0.9 <= first <= expected + 0.05
+
+
+def test_sim_calibrate_and_serve_command_lines(tmp_path: Path) -> None:
+    """The CLI writes the model file, and refuses a profile without what it needs, naming it (exit 2)."""
+    write_profile(tmp_path / "prof", TRUE)
+    out = tmp_path / "replica.json"
+    run = [sys.executable, "-m", "sim.cli", "calibrate", "--profile", str(tmp_path / "prof"), "--out", str(out)]
+    bad = subprocess.run(run, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "max_num_batched_tokens" in bad.stderr
+    good = subprocess.run(run + ["--max-num-seqs", "32", "--max-num-batched-tokens", "2048", "--chunked-prefill",
+                                 "--prefix-caching", "--max-model-len", "2048"],
+                          capture_output=True, text=True, timeout=120)
+    assert good.returncode == 0, good.stderr
+    assert ReplicaModel.load(out).max_num_seqs == 32 and "TTFT p50" in good.stdout
+    both = subprocess.run([sys.executable, "-m", "sim.cli", "serve", "--config", str(out), "--model", "opt-125m"],
+                          capture_output=True, text=True, timeout=60)
+    assert both.returncode == 2 and "not both" in both.stderr
