@@ -49,6 +49,7 @@ _MAX_HEAD, _MAX_PIPELINED = MAX_HEAD, MAX_PIPELINED  # the HTTP tests size their
 REFUSING = 16  # connections over max_connections answered 503 at a time; beyond them, accepting waits
 _ACCEPT_RETRY_S = 0.1  # out of descriptors when accepting: try again after this (asyncio waits 1 s, nginx 0.5 s)
 _GONE_ON_ACCEPT = (errno.ECONNABORTED, errno.EPROTO, errno.EPERM)  # the client left before accept() returned
+_EARLY_S = 0.001  # a timer may fire a hair before its time: a connection this close to shed_s is due
 
 
 class HttpServer:
@@ -110,7 +111,7 @@ class HttpServer:
         """Accept what is waiting, while there is room (connections, then refusals); else stop until one closes.
 
         At the cap, a connection that has sent no whole request head within `shed_s` of opening gives way to the
-        new one, oldest first: a new connection is refused only when every one within the cap has sent a request.
+        new one, oldest first: a new connection is refused (503, or left in the backlog) only when none can.
         """
         while True:
             over = self._serving >= self.max_connections
@@ -140,7 +141,7 @@ class HttpServer:
     def _can_shed(self) -> bool:
         if not self.headless or self._shedding >= REFUSING:  # each one shed holds its descriptor until it closes
             return False
-        return next(iter(self.headless)).opened_at + self.deadlines.shed_s <= self.loop.time()
+        return next(iter(self.headless)).opened_at + self.deadlines.shed_s <= self.loop.time() + _EARLY_S
 
     def _shed_oldest(self) -> None:
         """Close the connection waiting longest for its first request head; its room goes to a new one."""
