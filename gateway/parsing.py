@@ -24,6 +24,7 @@ class RequestInfo:
     stream: bool
     prefix: int = 0  # the prompt prefix's affinity key (gateway/affinity.py); 0: none
     prefix_tokens: int = 0  # prompt tokens earlier requests with this key are expected to have left cached
+    prefix_guessed: bool = False  # the key is a guess (a completions head): it means something once it recurs
 
 
 def load_json(raw: bytes) -> dict[str, Any]:
@@ -158,8 +159,9 @@ def parse(raw: bytes, endpoint: str, counter: TokenCounter, default_max_tokens: 
         prefix, covered = completion_key(body["prompt"])
         cached = min(prompt_tokens, covered // BYTES_PER_TOKEN)
     budget = default_max_tokens if per_choice is None else per_choice
-    prefix = explicit_key(body) or prefix
-    return RequestInfo(model, prompt_tokens, budget * n, stream, prefix, cached)
+    explicit = explicit_key(body)
+    guessed = endpoint != "chat" and not explicit and prefix != 0
+    return RequestInfo(model, prompt_tokens, budget * n, stream, explicit or prefix, cached, guessed)
 
 
 def other_info(raw: bytes) -> RequestInfo:

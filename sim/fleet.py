@@ -39,7 +39,7 @@ from gateway.tokens import BYTES_PER_TOKEN
 
 from .clock import LoopClock, VirtualClock
 from .engine import Engine, SimRequest
-from .node import Node, NodeSpec
+from .node import AnySpec, Node, NodeSpec
 from .vloop import VirtualTimeLoop
 from .workload import Conversation, RequestSpec, poisson_arrivals, sharegpt_like
 
@@ -59,12 +59,14 @@ class Record:
     rejected: bool = False
     prefix: int = 0  # the affinity key the gateway would derive (0: none)
     prefix_tokens: int = 0  # prompt tokens an earlier turn left in its replica's cache
+    prefix_guessed: bool = False  # prefix_tokens is the gateway's guess for a completions head (RequestInfo)
     blocks: Sequence[int] | None = None  # the sequence's block hashes, for the engines' prefix caches
     cached_tokens: int = 0  # prompt tokens the engine found in its prefix cache
 
     def info(self) -> RequestInfo:
         """What the gateway's parser would make of this request."""
-        return RequestInfo(MODEL, self.prompt_tokens, self.output_tokens, True, self.prefix, self.prefix_tokens)
+        return RequestInfo(MODEL, self.prompt_tokens, self.output_tokens, True, self.prefix, self.prefix_tokens,
+                           self.prefix_guessed)
 
 
 @dataclass(frozen=True)
@@ -174,7 +176,7 @@ class Gateway:
         self.urls = [f"http://sim-replica-{i}" for i in range(len(node.engines))]
         self.engines = dict(zip(self.urls, node.engines))
         self.index = {url: i for i, url in enumerate(self.urls)}
-        speed = speed_of(node.spec)
+        speed = node.spec.gateway_speed()
         configs = [ReplicaConfig(url=u, max_requests=max_requests, max_num_seqs=node.spec.max_num_seqs, speed=speed)
                    for u in self.urls]
         chooser = make_policy(policy, rng) if isinstance(policy, str) else policy
@@ -219,7 +221,7 @@ class Gateway:
                               blocks=record.blocks))
 
 
-def capacity(spec: NodeSpec, specs: Sequence[RequestSpec]) -> float:
+def capacity(spec: AnySpec, specs: Sequence[RequestSpec]) -> float:
     """Requests/s the node sustains with this mix: all at t=0, split evenly, until the first replica runs dry.
 
     Measured as tokens (prompt + output) processed per second while every replica still had requests waiting,
@@ -253,13 +255,13 @@ class _Drained:
         self.tokens_at_drain = sum(e.prompt_tokens_total + e.generation_tokens_total for e in self.engines)
 
 
-def saturation_sample(spec: NodeSpec, specs: Sequence[RequestSpec]) -> list[RequestSpec]:
+def saturation_sample(spec: AnySpec, specs: Sequence[RequestSpec]) -> list[RequestSpec]:
     """Enough requests of the mix to keep every replica's batch full for a while."""
     n = max(2000, 8 * spec.replicas * spec.max_num_seqs)
     return [specs[i % len(specs)] for i in range(n)]
 
 
-def run_open_loop(spec: NodeSpec, n: int, load: float, policy: str, seed: int = 0,
+def run_open_loop(spec: AnySpec, n: int, load: float, policy: str, seed: int = 0,
                   specs: Sequence[RequestSpec] | None = None, arrivals: np.ndarray | None = None) -> Summary:
     """The fast path: Poisson arrivals at `load` x capacity, routed by `policy`, no admission queue."""
     rng = np.random.default_rng(seed)
@@ -298,7 +300,7 @@ async def _send(gw: Gateway, record: Record) -> None:
     await done
 
 
-async def _routed(spec: NodeSpec, records: list[Record], policy: str | Policy, seed: int,
+async def _routed(spec: AnySpec, records: list[Record], policy: str | Policy, seed: int,
                   max_requests: int | None, queue: QueueConfig | None) -> Summary:
     loop = asyncio.get_running_loop()
     gw = Gateway(Node(spec, LoopClock(loop)), policy, random.Random(seed), max_requests, queue)
@@ -311,7 +313,7 @@ async def _routed(spec: NodeSpec, records: list[Record], policy: str | Policy, s
     return summarize(records, gw.node.engines, gw.imbalance)
 
 
-def run_routed(spec: NodeSpec, specs: Sequence[RequestSpec], arrivals: np.ndarray, policy: str | Policy,
+def run_routed(spec: AnySpec, specs: Sequence[RequestSpec], arrivals: np.ndarray, policy: str | Policy,
                seed: int = 0, max_requests: int | None = None, queue: QueueConfig | None = None,
                keys: str = "", records_out: list[Record] | None = None) -> Summary:
     """Arrivals through the gateway's `Router.acquire` (admission queue included) on a virtual-time loop.
@@ -323,7 +325,7 @@ def run_routed(spec: NodeSpec, specs: Sequence[RequestSpec], arrivals: np.ndarra
     rng = random.Random(seed)
     head = PREFIX_BYTES // BYTES_PER_TOKEN if keys == "completions" else 0
     records = [Record(float(t), s.prompt_tokens, s.output_tokens, prefix=rng.getrandbits(64) | 1 if keys else 0,
-                      prefix_tokens=head if s.prompt_tokens > head else 0)
+                      prefix_tokens=head if s.prompt_tokens > head else 0, prefix_guessed=keys == "completions")
                for t, s in zip(arrivals, specs)]
     if records_out is not None:
         records_out.extend(records)
@@ -351,7 +353,7 @@ def conversation_records(conv: Conversation, block_size: int = 16) -> list[Recor
     return out
 
 
-async def _conversations(spec: NodeSpec, convs: Sequence[Conversation], policy: str | Policy, seed: int,
+async def _conversations(spec: AnySpec, convs: Sequence[Conversation], policy: str | Policy, seed: int,
                          max_requests: int | None, queue: QueueConfig | None) -> tuple[Summary, list[Record]]:
     loop = asyncio.get_running_loop()
     node = Node(spec, LoopClock(loop))
@@ -374,7 +376,7 @@ async def _conversations(spec: NodeSpec, convs: Sequence[Conversation], policy: 
     return summarize(records, node.engines, gw.imbalance), records
 
 
-def run_conversations(spec: NodeSpec, convs: Sequence[Conversation], policy: str | Policy, seed: int = 0,
+def run_conversations(spec: AnySpec, convs: Sequence[Conversation], policy: str | Policy, seed: int = 0,
                       max_requests: int | None = None, queue: QueueConfig | None = None,
                       records_out: list[Record] | None = None) -> Summary:
     """Multi-turn chats through the gateway's router: each turn sent `think_s` after the previous reply ended."""
