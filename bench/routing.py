@@ -58,7 +58,7 @@ ARRIVALS: dict[str, Callable[[int, float, np.random.Generator], np.ndarray]] = {
 }
 QUEUE = QueueConfig(max_size=1_000_000, max_wait_s=3600)
 ORACLE = "oracle"
-LOAD_ONLY = tuple(p for p in POLICY_NAMES if p != "prefix_affinity")
+LOAD_ONLY = tuple(p for p in POLICY_NAMES if p not in ("prefix_affinity", "consistent_hash"))
 BOUND = 1.10  # the default's p99 TTFT may be at most this times the best other policy's
 
 

@@ -49,7 +49,7 @@ from .speed import Speed, SpeedError
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
 POLICY_NAMES = ("prefix_affinity", "estimated_ttft", "least_outstanding_tokens", "round_robin", "random",
-                "least_requests", "power_of_two")
+                "least_requests", "power_of_two", "consistent_hash")
 DEFAULT_POLICY = POLICY_NAMES[0]
 
 

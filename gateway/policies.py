@@ -229,6 +229,26 @@ class PrefixAffinity(EstimatedTtft):
         return next(r for r in eligible if r.outstanding / r.weight <= least)
 
 
+class ConsistentHash(EstimatedTtft):
+    """A request with a prefix key always goes to the key's rendezvous first choice, whatever its load: every turn
+    of a conversation on one replica (the sticky oracle the benchmarks hold `prefix_affinity` against; vLLM's
+    router and nginx's `hash` offer the same). Requests without a key are routed as `estimated_ttft` routes them."""
+
+    def __init__(self, rng: random.Random | None = None) -> None:
+        super().__init__(rng)
+        self._salts: dict[str, int] = {}
+
+    def pick(self, candidates: Sequence[Replica], info: RequestInfo) -> Replica:
+        prefix = info.prefix
+        if not prefix or len(candidates) == 1:
+            return super().pick(candidates, info)
+        salts = self._salts
+        for r in candidates:
+            if r.url not in salts:
+                salts[r.url] = key_hash(r.url.encode())
+        return max(candidates, key=lambda r: rank(prefix, salts[r.url]))
+
+
 POLICIES: dict[str, Callable[[random.Random | None], Policy]] = {
     "prefix_affinity": PrefixAffinity,
     "estimated_ttft": EstimatedTtft,
@@ -237,6 +257,7 @@ POLICIES: dict[str, Callable[[random.Random | None], Policy]] = {
     "random": Random,
     "least_requests": LeastRequests,
     "power_of_two": PowerOfTwo,
+    "consistent_hash": ConsistentHash,
 }
 
 

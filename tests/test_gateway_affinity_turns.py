@@ -69,3 +69,14 @@ def test_a_chat_first_turn_goes_home_when_that_is_somewhat_busier_so_its_second_
     assert policy.pick(replicas, second) is home
     home.outstanding = 20_000  # far busier: the first turn goes elsewhere
     assert policy.pick(replicas, first) is not home
+
+
+def test_consistent_hash_sends_every_keyed_request_to_its_first_choice_whatever_the_load() -> None:
+    """The sticky baseline: the key's rendezvous first choice even when it is far busier; no key: by load."""
+    info = request("chat", messages=[{"role": "user", "content": "hello " * 50}])
+    replicas = pool(0, 0)
+    home = home_of(info, replicas)
+    home.outstanding, home.inflight = 50_000, 30
+    policy = make_policy("consistent_hash")
+    assert all(policy.pick(replicas, info) is home for _ in range(3))
+    assert policy.pick(replicas, RequestInfo("m", 10, 10, True)) is not home

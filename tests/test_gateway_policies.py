@@ -67,7 +67,7 @@ def test_random_and_round_robin_use_every_replica() -> None:
         policy = make_policy(name, random.Random(1))
         assert {policy.pick(pool, SHORT).url for _ in range(50)} == {r.url for r in pool}
     assert set(POLICIES) == {"prefix_affinity", "estimated_ttft", "least_outstanding_tokens", "round_robin", "random",
-                             "least_requests", "power_of_two"}
+                             "least_requests", "power_of_two", "consistent_hash"}
 
 
 @pytest.mark.parametrize(("policy", "short_on_busy"), [("least_outstanding_tokens", 0), ("round_robin", 5)])
