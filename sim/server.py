@@ -31,6 +31,7 @@ from gateway.errors import GatewayError
 from gateway.parsing import chat_tokens
 
 from .engine import Engine, SimRequest
+from .measured import FrontEnd
 from .workload import REFERENCE_OUTPUT_MEAN
 
 logger = logging.getLogger(__name__)
@@ -77,7 +78,7 @@ class ReplicaState:
     rng: random.Random = field(default_factory=random.Random)
     created: int = field(default_factory=lambda: int(time.time()))
     coder: Coder | None = None  # the served model's tokenizer: exact prompt tokens and token-id blocks
-    frontend_s: float = 0.0  # the API server's time before the engine sees a request
+    frontend: FrontEnd | None = None  # the API server's queue before the engine sees a request
     eos_mu: float = math.log(REFERENCE_OUTPUT_MEAN) - _EOS_SIGMA**2 / 2
     requests_total: dict[str, int] = field(default_factory=dict)
 
@@ -236,8 +237,9 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
         choices = _submit(state, parsed)
     except BadRequest as exc:
         return _error(exc.status, str(exc), exc.param)
-    if state.frontend_s:
-        await asyncio.sleep(state.frontend_s)
+    if state.frontend is not None:
+        loop = asyncio.get_running_loop()
+        await asyncio.sleep(state.frontend.admit(loop.time()) - loop.time())
     wake = asyncio.Event()
     for choice in choices:
         choice.req.on_token = _on_token(choice, wake)
@@ -428,7 +430,8 @@ def make_app(engine: Engine, model_name: str, seed: int | None = None, coder: Co
              frontend_s: float = 0.0) -> web.Application:
     """One simulated replica's aiohttp application."""
     app = web.Application()
-    app[STATE] = ReplicaState(engine, model_name, random.Random(seed), coder=coder, frontend_s=frontend_s)
+    app[STATE] = ReplicaState(engine, model_name, random.Random(seed), coder=coder,
+                              frontend=FrontEnd(frontend_s) if frontend_s else None)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat)
     app.router.add_get("/v1/models", models)

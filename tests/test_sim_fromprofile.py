@@ -143,3 +143,46 @@ def test_sim_calibrate_and_serve_command_lines(tmp_path: Path) -> None:
     both = subprocess.run([sys.executable, "-m", "sim.cli", "serve", "--config", str(out), "--model", "opt-125m"],
                           capture_output=True, text=True, timeout=60)
     assert both.returncode == 2 and "not both" in both.stderr
+
+
+def test_the_front_end_is_a_queue_one_request_at_a_time() -> None:
+    """Requests arriving together reach the engine service_s apart; an idle front end passes one at once."""
+    from sim.measured import FrontEnd
+
+    front = FrontEnd(0.01)
+    assert [round(front.admit(1.0), 6) for _ in range(3)] == [1.01, 1.02, 1.03]
+    assert front.admit(5.0) == pytest.approx(5.01)
+
+
+def test_a_step_grows_with_the_context_between_the_two_profiles_lengths() -> None:
+    """With a long table, step(n, context) is linear in the context between the two measured lengths; the engine's
+    device part carries the difference (a decode step of 4 sequences of 1,000 tokens each)."""
+    long = replace(TRUE, step_context=300.0, long_step_s=((1, 0.010), (32, 0.032)), long_context=1200.0)
+    assert long.step(1, 300.0) == pytest.approx(0.007) and long.step(1, 1200.0) == pytest.approx(0.010)
+    assert long.step(1, 750.0) == pytest.approx(0.0085)
+    assert long.step(4) == TRUE.step(4)  # no context: the reference table
+    cost = MeasuredStepTime(long)
+    assert cost.host_s(4) + cost.device_s(4, 4, 4000.0, 4000.0) == pytest.approx(long.step(4, 1000.0))
+    with pytest.raises(ConfigError, match="long_context"):
+        replace(TRUE, step_context=1200.0, long_step_s=((1, 0.01),), long_context=300.0)
+
+
+def test_two_profiles_fit_how_a_step_grows_with_the_context(tmp_path: Path) -> None:
+    """A short and a long profile of a replica whose steps grow with the context give back both tables."""
+    truth = replace(TRUE, step_context=288.0, long_step_s=((1, 0.0102), (8, 0.015), (32, 0.031)),
+                    long_context=1152.0)
+    write_profile(tmp_path / "short", truth)
+    context = ProfileContext(model="m", device="cpu", workload=Workload("fixed", 1024, 256))
+    for b, step in truth.long_step_s:
+        ttft, tpot = replay(truth, b, 48, 1024, 256)
+        write_point(tmp_path / "long", context, ProfilePoint(
+            batch_size=b, total_tok_s=1.0, ttft_ms=Latency(p50=ttft * 1e3), tpot_ms=Latency(mean=tpot * 1e3),
+            itl_ms=Latency(p50=step * 1e3), kv_pool=KvPool(2048, 128)))
+    fitted, rows = calibrate(tmp_path / "short", FACTS, iters=30, extra=[tmp_path / "long"])
+    assert (fitted.step_context, fitted.long_context) == (288.0, 1152.0)
+    ttft_errors = sorted(abs(row.sim_ttft_p50_ms / row.ttft_p50_ms - 1) for row in rows)
+    for row in rows:
+        assert row.sim_tpot_mean_ms == pytest.approx(row.tpot_mean_ms, rel=0.1)
+    assert ttft_errors[len(rows) // 2] < 0.15 and ttft_errors[-1] < 0.4, ttft_errors  # a short search, 7 points
+    with pytest.raises(CalibrationError, match="longer requests"):
+        calibrate(tmp_path / "long", FACTS, extra=[tmp_path / "short"])

@@ -87,7 +87,9 @@ def bsc_point(repo: Path, model: str, cap: int) -> list[str] | None:
     result = json.loads(git_show(repo, BSC_COMMIT, f"{folder}/{next(n for n in names if n.endswith('.json'))}"))
     if match is None or version is None:
         raise ValueError(f"{folder}: no block count or version in server_out_0.log")
-    mean = lambda key: sum(r[key] for r in inside[1:]) / (len(inside) - 1)  # noqa: E731
+
+    def mean(key: str) -> float:
+        return float(sum(r[key] for r in inside[1:]) / (len(inside) - 1))
     return [model, str(cap), match.group(1), version.group(1), f"{last['t'] - first['t']:.4f}",
             f"{last['model_forward_total_time'] - first['model_forward_total_time']:.4f}",
             f"{last['prompt_tokens_total'] - first['prompt_tokens_total']:.0f}",
