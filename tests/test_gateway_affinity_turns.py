@@ -80,3 +80,67 @@ def test_consistent_hash_sends_every_keyed_request_to_its_first_choice_whatever_
     policy = make_policy("consistent_hash")
     assert all(policy.pick(replicas, info) is home for _ in range(3))
     assert policy.pick(replicas, RequestInfo("m", 10, 10, True)) is not home
+
+
+async def chats_hit_rate(aiohttp_server: Any, gateway_for: Any, policy: str) -> tuple[float, list[list[str]]]:
+    """Twelve chats started at once over three fresh simulated replicas with prefix caching, turns sent
+    alternately through two gateways, the second replaced by a fresh one (a restart) after the second turn:
+    the replicas' prefix-cache hit rate and each chat's replicas."""
+    import asyncio
+    import re
+
+    import aiohttp
+    import openai
+
+    from sim.clock import LoopClock
+    from sim.gpus import get_gpu
+    from sim.model import load_model
+    from sim.node import Node, NodeSpec
+    from sim.server import make_app
+
+    node = Node(NodeSpec(load_model("opt-125m"), get_gpu("H100-80GB"), 3, 64, prefix_caching=True),
+                LoopClock(asyncio.get_running_loop()))
+    urls = []
+    for i, engine in enumerate(node.engines):
+        server = await aiohttp_server(make_app(engine, "sim", seed=i))
+        urls.append(str(server.make_url("")).rstrip("/"))
+    gateways = [await gateway_for(urls, policy=policy), await gateway_for(urls, policy=policy)]
+    system = {"role": "system", "content": "You answer questions about serving. " * 6}
+
+    async def conversation(c: int) -> list[str]:
+        messages: list[Any] = [system, {"role": "user", "content": f"Chat {c}: " + "why cache prefixes? " * 30}]
+        served = []
+        for turn in range(4):
+            async with openai.AsyncOpenAI(base_url=gateways[turn % 2].base_url, api_key="none",
+                                          max_retries=0) as client:
+                raw = await client.chat.completions.with_raw_response.create(
+                    model="sim", messages=messages, max_tokens=32, extra_body={"ignore_eos": True})
+            served.append(raw.headers["x-gateway-replica"])
+            messages += [{"role": "assistant", "content": raw.parse().choices[0].message.content or ""},
+                         {"role": "user", "content": "and then? " * 10}]
+            if turn == 1 and c == 0:
+                gateways[1] = await gateway_for(urls, policy=policy)  # restarted: a new gateway, no memory
+        return served
+
+    chats = await asyncio.gather(*(conversation(c) for c in range(12)))
+    hits = queries = 0.0
+    async with aiohttp.ClientSession() as session:
+        for url in urls:
+            text = await (await session.get(f"{url}/metrics")).text()
+            hits += float(re.search(r"^vllm:prefix_cache_hits_total\{[^}]*\} (\S+)$", text, re.M).group(1))  # type: ignore
+            queries += float(re.search(r"^vllm:prefix_cache_queries_total\{[^}]*\} (\S+)$", text,
+                                       re.M).group(1))  # type: ignore
+    return hits / queries, chats
+
+
+async def test_concurrent_conversations_across_gateways_and_a_restart_hit_the_cache_as_if_pinned(
+        aiohttp_server: Any, gateway_for: Any) -> None:
+    """Twelve chats started at once, turns alternating between two gateways, one restarted midway: the default's
+    prefix-cache hit rate is within 5 points of consistent_hash's (every chat pinned to one replica), and most
+    chats never move (placement depends on the request and the replicas' load, not on a gateway's memory)."""
+    pinned, pinned_chats = await chats_hit_rate(aiohttp_server, gateway_for, "consistent_hash")
+    default, chats = await chats_hit_rate(aiohttp_server, gateway_for, "prefix_affinity")
+    assert all(len(set(served)) == 1 for served in pinned_chats)
+    assert default >= pinned - 0.05, (default, pinned)
+    assert sum(len(set(served)) == 1 for served in chats) >= 9, [[u[-5:] for u in s] for s in chats]
+    assert len({served[0] for served in chats}) > 1  # and the chats spread over the replicas

@@ -1,0 +1,510 @@
+"""The simulator against real vLLM-CPU replicas: the same seeded schedules through the same gateway, per policy.
+
+One command:
+
+1. `deploy up --replicas N --model tiny` starts N real vLLM-CPU replicas (and its gateway, unused here);
+2. `planner profile --url` profiles the first replica twice (closed loop: batch sizes 1..32 with 256 + 64 tokens,
+   and 1, 8, 32 with 1024 + 256, so the calibration sees how a step grows with the context);
+3. `sim calibrate --profile` fits a replica model to it; `sim serve --config` starts N replicas imitating it;
+4. on each side, one gateway per policy (deploy's gateway config, its policy and port changed) over that side's
+   replicas; each side's capacity for each single-turn workload is measured (closed loop, 64 in flight);
+5. every point (workload, arrivals, load, seed) runs `loadtest run` through each policy's gateway, policies in a
+   rotated order per seed, prompts salted per (point, policy) and the same on both sides; the replicas'
+   `vllm:prefix_cache_{hits,queries}_total` are read before and after each run.
+
+Offered rates are the load times the *real* side's measured capacity on both sides, so both see the same
+schedule. Single-turn workloads: `mix` (80% 128 + 32 tokens, 20% 1024 + 256) and `sharegpt` (lognormal lengths,
+median 110 + 128, sigma 0.6: ShareGPT-like, kept under the context length). Multi-turn `chat`: conversations
+starting as a Poisson process, 4 turns each, a shared 128-token system prompt, 300-token messages (a long
+per-conversation context), 64-token replies, 1 s think time.
+
+Each run is one JSON line in OUT/runs.jsonl (a rerun skips the runs already there); `--report` rebuilds the
+report from it. Percentiles pool every request of a point's seeds (each run's records.jsonl).
+
+    python -m bench.sim_vs_real [--seeds 3] [--duration 15] [--out runs/sim_vs_real] [--quick] [--dry-run]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator, Sequence
+from contextlib import ExitStack, contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+
+from .common import figure_path, markdown_table, pyplot, save
+
+POLICIES = ("prefix_affinity", "least_outstanding_tokens", "least_requests", "round_robin")
+CHAT_POLICIES = ("prefix_affinity", "consistent_hash", "least_outstanding_tokens", "round_robin")
+DEFAULT = "prefix_affinity"
+STICKY = "consistent_hash"
+WORKLOADS: dict[str, list[str]] = {
+    "mix": ["--workload", "mix", "--short", "128:32", "--long", "1024:256", "--long-fraction", "0.2"],
+    "sharegpt": ["--workload", "lognormal", "--input-len", "110", "--output-len", "128", "--sigma", "0.6"],
+}
+CHAT = ["--endpoint", "chat", "--workload", "multiturn", "--turns", "4:4", "--system-len", "128", "--input-len", "300",
+        "--output-len", "64", "--think-time", "1", "--max-context", "2048"]
+PROFILES = {"profile": ["--batch-sizes", "1,4,16,32", "--input-tokens", "256", "--output-tokens", "64"],
+            "profile-long": ["--batch-sizes", "1,8,32", "--input-tokens", "1024", "--output-tokens", "256",
+                             "--num-requests", "48"]}
+MAX_NUM_SEQS, BATCHED_TOKENS, MAX_MODEL_LEN = 32, 2048, 2048  # deploy's CPU defaults, vLLM-CPU's token budget
+MODEL = "tiny-opt"
+
+
+@dataclass(frozen=True)
+class Run:
+    """One loadtest run: a side, a point, a policy."""
+
+    side: str  # real | sim
+    workload: str  # mix | sharegpt | chat
+    arrival: str  # poisson | gamma
+    load: float  # fraction of the real side's capacity (chat: conversations/s)
+    seed: int
+    policy: str
+
+    @property
+    def key(self) -> str:
+        return f"{self.side}/{self.workload}/{self.arrival}/{self.load:g}/{self.seed}/{self.policy}"
+
+
+def python() -> str:
+    return sys.executable
+
+
+def spawn(argv: Sequence[str], log: Path) -> subprocess.Popen[bytes]:
+    """`argv` in its own process group, output appended to `log`."""
+    with log.open("ab") as out:
+        return subprocess.Popen(list(argv), stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
+
+
+def stop(proc: subprocess.Popen[bytes], grace_s: float = 30.0) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+
+
+def get(url: str, timeout_s: float = 5.0) -> bytes:
+    with urllib.request.urlopen(url, timeout=timeout_s) as response:
+        return bytes(response.read())
+
+
+def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout_s: float, log: Path) -> None:
+    """Until `url` answers 200; fails at once when the process died."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{url}: the process exited ({proc.returncode}); see {log}")
+        try:
+            get(url, 2.0)
+            return
+        except OSError:
+            time.sleep(1.0)
+    raise RuntimeError(f"{url} not ready after {timeout_s:.0f} s; see {log}")
+
+
+@contextmanager
+def process(argv: Sequence[str], log: Path, ready: str, timeout_s: float) -> Iterator[subprocess.Popen[bytes]]:
+    proc = spawn(argv, log)
+    try:
+        wait_ready(ready, proc, timeout_s, log)
+        yield proc
+    finally:
+        stop(proc)
+
+
+def prefix_counters(urls: Sequence[str]) -> tuple[float, float]:
+    """(hits, queries) of vLLM's prefix cache, summed over the replicas."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    hits = queries = 0.0
+    for url in urls:
+        for family in text_string_to_metric_families(get(url + "/metrics").decode()):
+            for sample in family.samples:
+                if sample.name == "vllm:prefix_cache_hits_total":
+                    hits += sample.value
+                elif sample.name == "vllm:prefix_cache_queries_total":
+                    queries += sample.value
+    return hits, queries
+
+
+def loadtest(args: Sequence[str], out: Path, timeout_s: float) -> dict[str, Any]:
+    """`loadtest run ... --out out`; its summary."""
+    argv = [python(), "-m", "loadtest.cli", "run", "--model", MODEL, "--out", str(out), *args]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s)
+    if done.returncode != 0:
+        raise RuntimeError(f"loadtest failed ({done.returncode}): {done.stderr[-2000:]}")
+    return json.loads((out / "summary.json").read_text())  # type: ignore[no-any-return]
+
+
+@dataclass(frozen=True)
+class Side:
+    """One side's replicas and its gateways, one per policy."""
+
+    name: str
+    replicas: tuple[str, ...]
+    gateways: dict[str, str]
+
+
+def gateway_configs(base: dict[str, Any], replicas: Sequence[str], policies: Sequence[str], port: int,
+                    directory: Path) -> dict[str, Path]:
+    """deploy's gateway config with other replica URLs, a policy and a port each, no admin key."""
+    out = {}
+    for i, policy in enumerate(policies):
+        config = {k: v for k, v in base.items() if k not in ("admin_key", "host")}
+        config["replicas"] = [{**r, "url": url} for r, url in zip(base["replicas"], replicas)]
+        config.update(policy=policy, port=port + i)
+        path = directory / f"gateway-{policy}.yaml"
+        path.write_text(yaml.safe_dump(config))
+        out[policy] = path
+    return out
+
+
+@contextmanager
+def gateways(stack_dir: Path, base: dict[str, Any], side: str, replicas: Sequence[str],
+             policies: Sequence[str], port: int) -> Iterator[Side]:
+    with ExitStack() as stack:
+        urls = {}
+        for policy, path in gateway_configs(base, replicas, policies, port, stack_dir).items():
+            url = f"http://127.0.0.1:{yaml.safe_load(path.read_text())['port']}"
+            log = stack_dir / f"gateway-{side}-{policy}.log"
+            stack.enter_context(process([python(), "-m", "gateway.cli", "serve", "--config", str(path),
+                                         "--host", "127.0.0.1"], log, url + "/ready", 60))
+            urls[policy] = url
+        yield Side(side, tuple(replicas), urls)
+
+
+def capacity(gateway: str, workload: str, tokenizer: str, out: Path, requests: int = 320) -> float:
+    """Requests/s the side sustains with this workload: closed loop, 64 in flight."""
+    summary = loadtest(["--host", gateway, *WORKLOADS[workload], "--tokenizer", tokenizer, "--mode", "closed",
+                        "--concurrency", "64", "--num-requests", str(requests), "--prompt-salt", "999"], out, 900)
+    return float(summary["request_throughput"])
+
+
+def run_point(run: Run, side: Side, rate: float, duration: float, tokenizer: str, salt: int,
+              out: Path) -> dict[str, Any]:
+    arrival = ["--arrival", "poisson"] if run.arrival == "poisson" else ["--arrival", "gamma", "--burstiness", "0.25"]
+    shape = CHAT if run.workload == "chat" else WORKLOADS[run.workload]
+    before = prefix_counters(side.replicas)
+    summary = loadtest(["--host", side.gateways[run.policy], *shape, *arrival, "--rate", f"{rate:.4f}",
+                        "--duration", f"{duration:g}", "--seed", str(run.seed), "--prompt-salt", str(salt),
+                        "--tokenizer", tokenizer], out, duration + 600)
+    after = prefix_counters(side.replicas)
+    queries = after[1] - before[1]
+    records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines() if line]
+    ok = [r for r in records if r.get("ok")]
+    return {**asdict(run), "rate": rate, "completed": summary["completed"], "failed": summary["failed"],
+            "hit_rate": (after[0] - before[0]) / queries if queries else math.nan,
+            "same_replica": summary.get("later_turns_on_same_replica"),
+            "ttft_s": [r["ttft_s"] for r in ok if r.get("ttft_s") is not None],
+            "tpot_s": [(r["end_s"] - r["sent_s"] - r["ttft_s"]) / (r["output_tokens"] - 1) for r in ok
+                       if r.get("ttft_s") is not None and (r.get("output_tokens") or 0) > 1],
+            "e2e_s": [r["end_s"] - r["sent_s"] for r in ok]}
+
+
+@dataclass(frozen=True)
+class Setup:
+    replicas: int
+    seeds: int
+    duration: float
+    loads: tuple[float, ...]
+    workloads: tuple[str, ...]
+    arrivals: tuple[str, ...]
+    chat_rates: tuple[float, ...]
+    policies: tuple[str, ...]
+    chat_policies: tuple[str, ...]
+    port: int
+    out: Path
+    chat_duration: float = 30.0
+    profiles: tuple[str, ...] = tuple(PROFILES)  # which of PROFILES to measure (the first is the reference)
+    capacity_requests: int = 320
+
+    def runs(self, side: str) -> list[Run]:
+        runs = []
+        for seed in range(self.seeds):
+            for workload in self.workloads:
+                for arrival in self.arrivals:
+                    for load in self.loads:
+                        order = self.policies[seed % len(self.policies):] + self.policies[:seed % len(self.policies)]
+                        runs += [Run(side, workload, arrival, load, seed, p) for p in order]
+            for rate in self.chat_rates:
+                order = self.chat_policies[seed:] + self.chat_policies[:seed]
+                runs += [Run(side, "chat", "poisson", rate, seed, p) for p in order]
+        return runs
+
+
+def hash_text(text: str) -> int:
+    """A prompt salt from a run's point and policy: the same prompts on both sides, others elsewhere."""
+    import zlib
+
+    return zlib.crc32(text.encode()) + 1
+
+
+def done_runs(path: Path) -> dict[str, dict[str, Any]]:
+    if not path.exists():
+        return {}
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line]
+    return {Run(**{k: r[k] for k in ("side", "workload", "arrival", "load", "seed", "policy")}).key: r for r in rows}
+
+
+def measure(setup: Setup) -> None:
+    from deploy.tinymodel import ensure_tiny_model
+
+    out = setup.out
+    out.mkdir(parents=True, exist_ok=True)
+    results = out / "runs.jsonl"
+    done = done_runs(results)
+    tokenizer = str(ensure_tiny_model())
+    gw_port, real_port, sim_port = setup.port, setup.port + 10, setup.port + 30
+    run_dir = out / "deploy"
+    with ExitStack() as stack:
+        deploy = stack.enter_context(process(
+            [python(), "-m", "deploy.cli", "up", "--replicas", str(setup.replicas), "--model", "tiny", "--port",
+             str(gw_port), "--replica-port-base", str(real_port), "--run-dir", str(run_dir), "--host", "127.0.0.1"],
+            out / "deploy.log", f"http://127.0.0.1:{gw_port}/ready", 900))
+        del deploy
+        base = yaml.safe_load((run_dir / "gateway.yaml").read_text())
+        real = [r["url"] for r in base["replicas"]]
+        meta_path = out / "meta.json"
+        meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
+        if "replica_model" not in meta:
+            profiles = []
+            for name in setup.profiles:
+                flags = PROFILES[name]
+                subprocess.run([python(), "-m", "planner.cli", "profile", "--url", real[0], "--out", str(out / name),
+                                *flags, "--tokenizer", tokenizer], check=True, timeout=900, capture_output=True)
+                profiles += ["--profile", str(out / name)]
+            model_path = out / "replica.json"
+            fit = subprocess.run([python(), "-m", "sim.cli", "calibrate", *profiles, "--out",
+                                  str(model_path), "--max-num-seqs", str(MAX_NUM_SEQS), "--max-num-batched-tokens",
+                                  str(BATCHED_TOKENS), "--chunked-prefill", "--prefix-caching", "--max-model-len",
+                                  str(MAX_MODEL_LEN), "--tokenizer", tokenizer, "--served-model-name", MODEL],
+                                 check=True, timeout=900, capture_output=True, text=True)
+            meta["calibration"] = fit.stdout
+            meta["replica_model"] = str(model_path)
+            meta_path.write_text(json.dumps(meta, indent=1))
+        sim_urls = [f"http://127.0.0.1:{sim_port + i}" for i in range(setup.replicas)]
+        stack.enter_context(process([python(), "-m", "sim.cli", "serve", "--config", meta["replica_model"],
+                                     "--replicas", str(setup.replicas), "--port", str(sim_port)],
+                                    out / "sim.log", sim_urls[-1] + "/health", 60))
+        sides = {"real": real, "sim": sim_urls}
+        policies = tuple(dict.fromkeys(setup.policies + setup.chat_policies))
+        for side_name, urls in sides.items():
+            port = gw_port + (100 if side_name == "real" else 200)
+            with gateways(out, base, side_name, urls, policies, port) as side:
+                for workload in setup.workloads:
+                    key = f"capacity_{side_name}_{workload}"
+                    if key not in meta:
+                        meta[key] = capacity(side.gateways[DEFAULT], workload, tokenizer, out / "tmp-capacity",
+                                             setup.capacity_requests)
+                        meta_path.write_text(json.dumps(meta, indent=1))
+                        print(f"{side_name} capacity, {workload}: {meta[key]:.2f} req/s", flush=True)
+                for run in setup.runs(side_name):
+                    if run.key in done:
+                        continue
+                    rate = run.load if run.workload == "chat" else run.load * meta[f"capacity_real_{run.workload}"]
+                    duration = setup.chat_duration if run.workload == "chat" else setup.duration
+                    row = run_point(run, side, rate, duration, tokenizer, hash_text(run.key.split("/", 1)[1]),
+                                    out / "tmp-run")
+                    with results.open("a") as f:
+                        f.write(json.dumps(row) + "\n")
+                    done[run.key] = row
+                    ttft = np.array(row["ttft_s"]) * 1e3
+                    print(f"{run.key}: {row['completed']} ok, {row['failed']} failed, TTFT p50 "
+                          f"{np.percentile(ttft, 50) if len(ttft) else math.nan:.0f} ms p99 "
+                          f"{np.percentile(ttft, 99) if len(ttft) else math.nan:.0f} ms, hit rate "
+                          f"{row['hit_rate']:.1%}", flush=True)
+    shutil.rmtree(out / "tmp-run", ignore_errors=True)
+    shutil.rmtree(out / "tmp-capacity", ignore_errors=True)
+
+
+# -- the report -------------------------------------------------------------------------------------------------
+
+def pooled(rows: Sequence[dict[str, Any]]) -> dict[str, float]:
+    ttft = np.concatenate([r["ttft_s"] for r in rows]) * 1e3
+    tpot = np.concatenate([r["tpot_s"] for r in rows]) * 1e3
+    e2e = np.concatenate([r["e2e_s"] for r in rows]) * 1e3
+    hits = [r["hit_rate"] for r in rows if not math.isnan(r["hit_rate"])]
+    same = [r["same_replica"] for r in rows if r.get("same_replica") is not None]
+    return {"n": int(len(ttft)), "failed": int(sum(r["failed"] for r in rows)), "seeds": len(rows),
+            "ttft_p50": float(np.percentile(ttft, 50)), "ttft_p99": float(np.percentile(ttft, 99)),
+            "tpot_p50": float(np.percentile(tpot, 50)), "e2e_p50": float(np.percentile(e2e, 50)),
+            "e2e_p99": float(np.percentile(e2e, 99)), "hit_rate": float(np.mean(hits)) if hits else math.nan,
+            "same_replica": float(np.mean(same)) if same else math.nan}
+
+
+def summarize(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """side -> point -> policy -> pooled figures."""
+    groups: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault((r["side"], f"{r['workload']}/{r['arrival']}/{r['load']:g}", r["policy"]), []).append(r)
+    out: dict[str, dict[str, Any]] = {}
+    for (side, point, policy), group in sorted(groups.items()):
+        out.setdefault(side, {}).setdefault(point, {})[policy] = pooled(group)
+    return out
+
+
+def ranking(by_policy: dict[str, dict[str, float]], metric: str = "ttft_p99") -> list[str]:
+    return sorted(by_policy, key=lambda p: by_policy[p][metric])
+
+
+def report(out: Path, meta: dict[str, Any]) -> str:
+    rows = list(done_runs(out / "runs.jsonl").values())
+    table = summarize(rows)
+    real, sim = table.get("real", {}), table.get("sim", {})
+    lines = ["# The simulator against real vLLM-CPU replicas", "",
+             f"Measured with `python -m bench.sim_vs_real` ({len(rows)} runs). Capacities (requests/s, closed loop): "
+             + ", ".join(f"{k.removeprefix('capacity_')} {v:.2f}" for k, v in meta.items()
+                         if k.startswith("capacity_")) + ".", "", "Calibration (`sim calibrate --profile`):", "",
+             "```", meta.get("calibration", "").strip(), "```", ""]
+    head = ["point", "policy", "seeds", "requests real/sim", "TTFT p50 real", "sim", "err", "TTFT p99 real", "sim",
+            "err", "TPOT p50 real", "sim", "err", "E2E p50 real", "sim", "err", "hit rate real", "sim"]
+    body, errors = [], {"ttft_p50": [], "ttft_p99": [], "tpot_p50": [], "e2e_p50": []}
+    same_order = total_points = 0
+    for point in real:
+        if point not in sim:
+            continue
+        total_points += 1
+        common = [p for p in real[point] if p in sim[point]]
+        if ranking({p: real[point][p] for p in common}) == ranking({p: sim[point][p] for p in common}):
+            same_order += 1
+        for p in common:
+            a, b = real[point][p], sim[point][p]
+            row: list[object] = [point, p, a["seeds"], f"{a['n']}/{b['n']}"]
+            for metric in errors:
+                err = b[metric] / a[metric] - 1
+                errors[metric].append(err)
+                row += [f"{a[metric]:.0f}" if metric != "tpot_p50" else f"{a[metric]:.1f}",
+                        f"{b[metric]:.0f}" if metric != "tpot_p50" else f"{b[metric]:.1f}", f"{err:+.0%}"]
+            row += [f"{a['hit_rate']:.1%}", f"{b['hit_rate']:.1%}"]
+            body.append(row)
+    lines += ["## Real against simulated, per point and policy (ms; err = sim / real - 1)", "",
+              markdown_table(head, body), ""]
+    if body:
+        lines += ["Median absolute error over all rows: " + ", ".join(
+            f"{m} {np.median(np.abs(v)):.0%}" for m, v in errors.items()) + "; policies ranked the same by p99 "
+            f"TTFT at {same_order} of {total_points} points.", ""]
+    lines += ["## The default on real replicas (p99 TTFT, ms, pooled over seeds)", ""]
+    judged = []
+    for point, by in real.items():
+        if point.startswith("chat"):
+            continue
+        best = min(v["ttft_p99"] for v in by.values())
+        best_other = min((v["ttft_p99"] for p, v in by.items() if p != DEFAULT), default=math.nan)
+        rr = by.get("round_robin", {}).get("ttft_p99", math.nan)
+        d = by[DEFAULT]["ttft_p99"] if DEFAULT in by else math.nan
+        judged.append([point, *(f"{by[p]['ttft_p99']:.0f}" if p in by else "" for p in POLICIES),
+                       f"{d / best:.2f}", f"{d / best_other:.2f}", f"{d / rr:.2f}"])
+    lines += [markdown_table(["point", *POLICIES, "default / best", "default / best other", "default / round robin"],
+                             judged), ""]
+    single = {pt: by for pt, by in real.items() if not pt.startswith("chat") and DEFAULT in by}
+    if single:
+        ratios = []
+        for p in POLICIES:
+            if p != DEFAULT and all(p in by for by in single.values()):
+                logs = [math.log(by[DEFAULT]["ttft_p99"] / by[p]["ttft_p99"]) for by in single.values()]
+                ratios.append(f"{p} {math.exp(float(np.mean(logs))):.2f}")
+        lines += ["Geometric mean over these points of the default's p99 TTFT over each other policy's: "
+                  + ", ".join(ratios) + ".", ""]
+    lines += ["## Multi-turn chat: prefix-cache hit rate (vLLM's counters) and p99 TTFT", ""]
+    chat_rows = []
+    for side_name, by_point in table.items():
+        for point, by in by_point.items():
+            if point.startswith("chat"):
+                sticky = by.get(STICKY, {}).get("hit_rate", math.nan)
+                chat_rows += [[side_name, point, p, f"{v['hit_rate']:.1%}", f"{(v['hit_rate'] - sticky) * 100:+.1f}",
+                               f"{v['same_replica']:.1%}", f"{v['ttft_p99']:.0f}", v["seeds"], v["failed"]]
+                              for p, v in by.items()]
+    lines += [markdown_table(["side", "point", "policy", "hit rate", "points vs sticky", "later turns on the same "
+                              "replica", "TTFT p99", "seeds", "failed"], chat_rows), ""]
+    plot(table, out)
+    return "\n".join(lines)
+
+
+def plot(table: dict[str, dict[str, Any]], out: Path) -> None:
+    plt = pyplot()
+    points = [p for p in table.get("real", {}) if not p.startswith("chat") and p in table.get("sim", {})]
+    if not points:
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
+    for ax, metric in zip(axes, ("ttft_p50", "ttft_p99")):
+        for i, policy in enumerate(POLICIES):
+            both = [p for p in points if policy in table["real"][p] and policy in table["sim"][p]]
+            xs = [table["real"][p][policy][metric] for p in both]
+            ys = [table["sim"][p][policy][metric] for p in both]
+            ax.scatter(xs, ys, label=policy, s=18)
+        lim = max(ax.get_xlim()[1], ax.get_ylim()[1])
+        ax.plot([0, lim], [0, lim], "k--", lw=0.8)
+        ax.set(xlabel=f"real vLLM-CPU {metric} (ms)", ylabel=f"simulated {metric} (ms)", xscale="log", yscale="log")
+        ax.legend(fontsize=7)
+    fig.suptitle("Same schedules through the same gateway: simulator vs real (each dot a point and policy)")
+    fig.tight_layout()
+    fig.savefig(figure_path("sim_vs_real.png"), dpi=110)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.sim_vs_real", description=__doc__.split("\n")[0])
+    parser.add_argument("--replicas", type=int, default=2)
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--duration", type=float, default=15.0, help="seconds of schedule per run (15)")
+    parser.add_argument("--loads", default="0.5,0.8,0.95")
+    parser.add_argument("--workloads", default="mix,sharegpt")
+    parser.add_argument("--arrivals", default="poisson", help="poisson,gamma (gamma: burstiness 0.25, CV 2)")
+    parser.add_argument("--chat-duration", type=float, default=30.0, help="seconds of conversation starts (30)")
+    parser.add_argument("--chat-rates", default="1.5", help="conversations/s of the chat points ('' for none)")
+    parser.add_argument("--policies", default=",".join(POLICIES))
+    parser.add_argument("--chat-policies", default=",".join(CHAT_POLICIES))
+    parser.add_argument("--port", type=int, default=18000)
+    parser.add_argument("--out", type=Path, default=Path("runs/sim_vs_real"))
+    parser.add_argument("--quick", action="store_true", help="one seed, one point, two policies (CI)")
+    parser.add_argument("--report", action="store_true", help="only rebuild the report from OUT/runs.jsonl")
+    parser.add_argument("--save", action="store_true", help="also write docs/bench/sim_vs_real.{json,md}")
+    parser.add_argument("--dry-run", action="store_true", help="print the runs and the time they take")
+    args = parser.parse_args(argv)
+
+    def floats(text: str) -> tuple[float, ...]:
+        return tuple(float(x) for x in text.split(",") if x)
+
+    setup = Setup(args.replicas, args.seeds, args.duration, floats(args.loads), tuple(args.workloads.split(",")),
+                  tuple(args.arrivals.split(",")), floats(args.chat_rates), tuple(args.policies.split(",")),
+                  tuple(args.chat_policies.split(",")), args.port, args.out, args.chat_duration)
+    if args.quick:
+        setup = Setup(args.replicas, 1, 8.0, (0.5,), ("mix",), ("poisson",), (), (DEFAULT, "round_robin"), (),
+                      args.port, args.out, profiles=("profile",), capacity_requests=160)
+    runs = setup.runs("real") + setup.runs("sim")
+    if args.dry_run:
+        print(f"{len(runs)} runs of {setup.duration:g} s of schedule (about {len(runs) * (setup.duration + 12) / 60:.0f}"
+              " min, plus 3-4 min of start, profile and capacities)")
+        for run in runs:
+            print(run.key)
+        return
+    if not args.report:
+        measure(setup)
+    meta = json.loads((args.out / "meta.json").read_text())
+    text = report(args.out, meta)
+    (args.out / "report.md").write_text(text + "\n")
+    if args.save:
+        save("sim_vs_real", {"meta": meta, "summary": summarize(list(done_runs(args.out / "runs.jsonl").values()))},
+             text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
