@@ -38,7 +38,7 @@ import time
 import urllib.request
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -59,8 +59,10 @@ CHAT = ["--endpoint", "chat", "--workload", "multiturn", "--turns", "4:4", "--sy
         "--output-len", "64", "--think-time", "1", "--max-context", "2048"]
 PROFILES = {"profile": ["--batch-sizes", "1,4,16,32", "--input-tokens", "256", "--output-tokens", "64"],
             "profile-long": ["--batch-sizes", "1,8,32", "--input-tokens", "1024", "--output-tokens", "256",
-                             "--num-requests", "48"]}
-MAX_NUM_SEQS, BATCHED_TOKENS, MAX_MODEL_LEN = 32, 2048, 2048  # deploy's CPU defaults, vLLM-CPU's token budget
+                             "--num-requests", "48"],
+            "profile-quick": ["--batch-sizes", "1,4,16", "--input-tokens", "256", "--output-tokens", "64",
+                              "--num-requests", "32"]}
+BATCHED_TOKENS, MAX_MODEL_LEN = 2048, 2048  # vLLM-CPU's token budget (API server default) and the tiny model's length
 MODEL = "tiny-opt"
 
 
@@ -233,8 +235,9 @@ class Setup:
     port: int
     out: Path
     chat_duration: float = 30.0
-    profiles: tuple[str, ...] = tuple(PROFILES)  # which of PROFILES to measure (the first is the reference)
+    profiles: tuple[str, ...] = ("profile", "profile-long")  # which of PROFILES to measure (the first is the reference)
     capacity_requests: int = 320
+    deployment: Path | None = None  # a running `deploy up`'s run directory: its replicas instead of new ones
 
     def runs(self, side: str) -> list[Run]:
         runs = []
@@ -273,13 +276,13 @@ def measure(setup: Setup) -> None:
     done = done_runs(results)
     tokenizer = str(ensure_tiny_model())
     gw_port, real_port, sim_port = setup.port, setup.port + 10, setup.port + 30
-    run_dir = out / "deploy"
+    run_dir = setup.deployment or out / "deploy"
     with ExitStack() as stack:
-        deploy = stack.enter_context(process(
-            [python(), "-m", "deploy.cli", "up", "--replicas", str(setup.replicas), "--model", "tiny", "--port",
-             str(gw_port), "--replica-port-base", str(real_port), "--run-dir", str(run_dir), "--host", "127.0.0.1"],
-            out / "deploy.log", f"http://127.0.0.1:{gw_port}/ready", 900))
-        del deploy
+        if setup.deployment is None:  # else: the replicas of a running `deploy up` with that run directory
+            stack.enter_context(process(
+                [python(), "-m", "deploy.cli", "up", "--replicas", str(setup.replicas), "--model", "tiny", "--port",
+                 str(gw_port), "--replica-port-base", str(real_port), "--run-dir", str(run_dir), "--host",
+                 "127.0.0.1"], out / "deploy.log", f"http://127.0.0.1:{gw_port}/ready", 900))
         base = yaml.safe_load((run_dir / "gateway.yaml").read_text())
         real = [r["url"] for r in base["replicas"]]
         meta_path = out / "meta.json"
@@ -293,7 +296,7 @@ def measure(setup: Setup) -> None:
                 profiles += ["--profile", str(out / name)]
             model_path = out / "replica.json"
             fit = subprocess.run([python(), "-m", "sim.cli", "calibrate", *profiles, "--out",
-                                  str(model_path), "--max-num-seqs", str(MAX_NUM_SEQS), "--max-num-batched-tokens",
+                                  str(model_path), "--max-num-seqs", str(base["replicas"][0]["max_num_seqs"]), "--max-num-batched-tokens",
                                   str(BATCHED_TOKENS), "--chunked-prefill", "--prefix-caching", "--max-model-len",
                                   str(MAX_MODEL_LEN), "--tokenizer", tokenizer, "--served-model-name", MODEL],
                                  check=True, timeout=900, capture_output=True, text=True)
@@ -434,11 +437,10 @@ def report(out: Path, meta: dict[str, Any]) -> str:
                               for p, v in by.items()]
     lines += [markdown_table(["side", "point", "policy", "hit rate", "points vs sticky", "later turns on the same "
                               "replica", "TTFT p99", "seeds", "failed"], chat_rows), ""]
-    plot(table, out)
     return "\n".join(lines)
 
 
-def plot(table: dict[str, dict[str, Any]], out: Path) -> None:
+def plot(table: dict[str, dict[str, Any]], paths: Sequence[Path]) -> None:
     plt = pyplot()
     points = [p for p in table.get("real", {}) if not p.startswith("chat") and p in table.get("sim", {})]
     if not points:
@@ -456,7 +458,8 @@ def plot(table: dict[str, dict[str, Any]], out: Path) -> None:
         ax.legend(fontsize=7)
     fig.suptitle("Same schedules through the same gateway: simulator vs real (each dot a point and policy)")
     fig.tight_layout()
-    fig.savefig(figure_path("sim_vs_real.png"), dpi=110)
+    for path in paths:
+        fig.savefig(path, dpi=110)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -474,6 +477,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--port", type=int, default=18000)
     parser.add_argument("--out", type=Path, default=Path("runs/sim_vs_real"))
     parser.add_argument("--quick", action="store_true", help="one seed, one point, two policies (CI)")
+    parser.add_argument("--deployment", type=Path, help="the run directory of a running `deploy up` (tiny model): "
+                        "use its replicas instead of starting new ones")
     parser.add_argument("--report", action="store_true", help="only rebuild the report from OUT/runs.jsonl")
     parser.add_argument("--save", action="store_true", help="also write docs/bench/sim_vs_real.{json,md}")
     parser.add_argument("--dry-run", action="store_true", help="print the runs and the time they take")
@@ -486,8 +491,9 @@ def main(argv: Sequence[str] | None = None) -> None:
                   tuple(args.arrivals.split(",")), floats(args.chat_rates), tuple(args.policies.split(",")),
                   tuple(args.chat_policies.split(",")), args.port, args.out, args.chat_duration)
     if args.quick:
-        setup = Setup(args.replicas, 1, 8.0, (0.5,), ("mix",), ("poisson",), (), (DEFAULT, "round_robin"), (),
-                      args.port, args.out, profiles=("profile",), capacity_requests=160)
+        setup = Setup(args.replicas, 1, 6.0, (0.5,), ("mix",), ("poisson",), (), (DEFAULT, "round_robin"), (),
+                      args.port, args.out, profiles=("profile-quick",), capacity_requests=96)
+    setup = replace(setup, deployment=args.deployment)
     runs = setup.runs("real") + setup.runs("sim")
     if args.dry_run:
         print(f"{len(runs)} runs of {setup.duration:g} s of schedule (about {len(runs) * (setup.duration + 12) / 60:.0f}"
@@ -500,6 +506,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     meta = json.loads((args.out / "meta.json").read_text())
     text = report(args.out, meta)
     (args.out / "report.md").write_text(text + "\n")
+    table = summarize(list(done_runs(args.out / "runs.jsonl").values()))
+    plot(table, [args.out / "sim_vs_real.png", *([figure_path("sim_vs_real.png")] if args.save else [])])
     if args.save:
         save("sim_vs_real", {"meta": meta, "summary": summarize(list(done_runs(args.out / "runs.jsonl").values()))},
              text)

@@ -240,6 +240,34 @@ def test_client_disconnect_mid_stream_aborts_the_request(deployment: Deployment)
     assert time.monotonic() - hung_up < 2.5
 
 
+def test_the_simulator_against_these_replicas_quick(deployment: Deployment, tmp_path: Path) -> None:
+    """`python -m bench.sim_vs_real --quick` over this deployment's replicas: profile one, calibrate, the same
+    schedule through a gateway per policy on both sides; every request completes and the simulator's median TTFT,
+    TPOT and E2E are within a factor of two of the real ones (the goal's 15% is the full run's to judge)."""
+    import math
+
+    from sim.measured import ReplicaModel
+
+    out = tmp_path / "svr"
+    done = subprocess.run([sys.executable, "-m", "bench.sim_vs_real", "--quick", "--out", str(out), "--port", "18500",
+                           "--deployment", str(deployment.run_dir)], capture_output=True, text=True, timeout=840,
+                          cwd=Path(__file__).resolve().parent.parent)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    model = ReplicaModel.load(out / "replica.json")
+    assert model.block_size == 128 and model.max_num_seqs == 32 and model.prefix_caching
+    rows = [json.loads(line) for line in (out / "runs.jsonl").read_text().splitlines()]
+    assert {(r["side"], r["policy"]) for r in rows} == {(s, p) for s in ("real", "sim")
+                                                        for p in ("prefix_affinity", "round_robin")}
+    assert all(r["failed"] == 0 and r["completed"] > 10 for r in rows)
+    by = {(r["side"], r["policy"]): r for r in rows}
+    for policy in ("prefix_affinity", "round_robin"):
+        for metric in ("ttft_s", "tpot_s", "e2e_s"):
+            real, sim = (sorted(by[(side, policy)][metric]) for side in ("real", "sim"))
+            a, b = real[len(real) // 2], sim[len(sim) // 2]
+            assert math.isfinite(b) and 0.5 < b / a < 2.0, (policy, metric, a, b)
+    assert "mix/poisson/0.5" in (out / "report.md").read_text()
+
+
 def test_killed_replica_is_routed_around_restarted_and_taken_back(deployment: Deployment) -> None:
     """SIGKILL one replica's group: every later request succeeds; it is restarted and the gateway uses it again."""
     victim = deployment.state()["replicas"][0]
