@@ -30,6 +30,7 @@ from .router import Router
 from .server import Deadlines, HttpServer, Request, Responder, Response
 from .table import R_PID, R_STATE, STATE_READY, LoadTable
 from .tokens import TokenCounter
+from .tracing import Tracing, make_tracing
 from .upstream import UpstreamPool
 
 logger = logging.getLogger(__name__)
@@ -60,6 +61,7 @@ class Gateway:
                  rng: random.Random | None = None, *, table: LoadTable | None = None, row: int = 1,
                  admin_socket: str | None = None) -> None:
         self.config = config
+        self.tracing: Tracing | None = None
         # the admission queue's bound is the gateway's: each worker holds its share
         queue = replace(config.queue, max_size=math.ceil(config.queue.max_size / config.workers))
         self.router = Router(make_policy(config.policy, rng), queue)
@@ -111,7 +113,9 @@ class Gateway:
         self._pool = UpstreamPool(self.config.timeouts.connect_s,
                                   ssl_context=ssl.create_default_context() if https else None)
         worker = str(os.getpid()) if self.config.workers > 1 else None
-        self.proxy = Proxy(self.config, self.router, self._pool, self.metrics, worker)
+        # here, in the process that serves: the SDK's export thread does not survive a fork
+        self.tracing = make_tracing(self.config.tracing, self.config.policy)
+        self.proxy = Proxy(self.config, self.router, self._pool, self.metrics, worker, self.tracing)
         self._tasks = [asyncio.create_task(self.follower.run(), name="replica-set-follower"),
                        asyncio.create_task(self._learn_tokenizers(), name="tokenizer-discovery")]
 
@@ -139,6 +143,8 @@ class Gateway:
             self.proxy.close()
         if self._pool is not None:
             self._pool.close()
+        if self.tracing is not None:
+            await asyncio.to_thread(self.tracing.close)  # the last spans' export, bounded by its timeout
         if self.control is not None:
             await self.control.stop()
 

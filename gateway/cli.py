@@ -36,6 +36,10 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--admin-key", metavar="KEY", help="turn on the admin API (/admin/replicas) for this key")
     serve.add_argument("--log-level", choices=("debug", "info", "warning", "error"))
     serve.add_argument("--workers", metavar="N", help="worker processes on the one port (default 1; auto: one per CPU)")
+    serve.add_argument("--otlp-traces-endpoint", metavar="URL",
+                       help="export OpenTelemetry spans here (OTLP/HTTP, e.g. http://127.0.0.1:4318/v1/traces)")
+    serve.add_argument("--trace-sample-ratio", type=float, metavar="R",
+                       help="share of new traces recorded (default 1.0; a client's sampled flag is followed)")
     return parser
 
 
@@ -55,6 +59,9 @@ def build_config(args: argparse.Namespace) -> GatewayConfig:
         data["api_keys"] = list(args.api_key)
     if args.workers is not None:
         data["workers"] = args.workers
+    for flag, key in (("otlp_traces_endpoint", "endpoint"), ("trace_sample_ratio", "sampling_ratio")):
+        if getattr(args, flag) is not None:
+            data["tracing"] = {**(data.get("tracing") or {}), key: getattr(args, flag)}
     if args.queue_size is not None:
         data["queue"] = {**(data.get("queue") or {}), "max_size": args.queue_size}
     return from_mapping(data)

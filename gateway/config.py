@@ -31,6 +31,11 @@ YAML (every key optional; flags given on the command line win over the file):
     api_keys: [sk-client-1]               # clients must send one of these as a Bearer token
     upstream_api_key: sk-upstream         # sent to the replicas
     admin_key: sk-admin                   # turns on the admin API (/admin/replicas) for this Bearer token
+    tracing:                              # OpenTelemetry spans over OTLP (off without an endpoint; docs/tracing.md)
+      endpoint: http://127.0.0.1:4318/v1/traces  # grpc: host:port
+      protocol: http/protobuf             # or grpc
+      sampling_ratio: 1.0                 # of new traces; a client's sampled flag is followed
+      service_name: smallserve-gateway
 """
 
 from __future__ import annotations
@@ -220,6 +225,32 @@ class FeedbackConfig:
         _positive("feedback.timeout_s", self.timeout_s)
 
 
+@dataclass(frozen=True)
+class TracingConfig:
+    """OpenTelemetry export: off while `endpoint` is None (client trace headers still reach the replicas)."""
+
+    endpoint: str | None = None
+    protocol: str = "http/protobuf"
+    sampling_ratio: float = 1.0
+    service_name: str = "smallserve-gateway"
+    timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.endpoint is not None and (not isinstance(self.endpoint, str) or not self.endpoint):
+            raise ConfigError(f"tracing endpoint must be a URL (or host:port for grpc), got {self.endpoint!r}")
+        if self.protocol not in ("http/protobuf", "grpc"):
+            raise ConfigError(f"tracing protocol must be http/protobuf or grpc, got {self.protocol!r}")
+        if self.protocol == "http/protobuf" and self.endpoint is not None and \
+                urlsplit(self.endpoint).scheme not in ("http", "https"):
+            raise ConfigError(f"tracing endpoint {self.endpoint!r} must be an http(s) URL for http/protobuf")
+        ratio = self.sampling_ratio
+        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 <= ratio <= 1:
+            raise ConfigError(f"tracing sampling_ratio must be between 0 and 1, got {ratio!r}")
+        if not isinstance(self.service_name, str) or not self.service_name:
+            raise ConfigError(f"tracing service_name must be a non-empty string, got {self.service_name!r}")
+        _positive("tracing timeout_s", self.timeout_s)
+
+
 def cpu_count() -> int:
     """CPUs this process may use: its affinity, and a cgroup v2 CPU quota where there is one (containers)."""
     count = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
@@ -264,6 +295,7 @@ class GatewayConfig:
     upstream_api_key: str | None = None
     admin_key: str | None = None
     log_level: str = "info"
+    tracing: TracingConfig = field(default_factory=TracingConfig)
 
     def __post_init__(self) -> None:
         if not self.replicas and not self.discovery:
@@ -298,7 +330,7 @@ class GatewayConfig:
 
 
 _SECTIONS = {"timeouts": Timeouts, "health": HealthConfig, "retry": RetryConfig, "queue": QueueConfig,
-             "feedback": FeedbackConfig, "clients": ClientConfig}
+             "feedback": FeedbackConfig, "clients": ClientConfig, "tracing": TracingConfig}
 
 
 def _build(cls: type, where: str, data: Any) -> Any:

@@ -21,6 +21,7 @@ from .parsing import RequestInfo
 from .replicas import Lease
 from .router import Router
 from .server import Request, Responder, Response
+from .tracing import PassThrough, RequestTrace, Tracing
 from .upstream import Origin, UpstreamPool, UpstreamResponse
 
 logger = logging.getLogger(__name__)
@@ -62,8 +63,9 @@ class Proxy:
     """Relays requests to the replicas the router picks."""
 
     def __init__(self, config: GatewayConfig, router: Router, pool: UpstreamPool, metrics: Metrics,
-                 worker: str | None = None) -> None:
+                 worker: str | None = None, tracing: Tracing | None = None) -> None:
         self._config = config
+        self._tracing = tracing or PassThrough()
         self._worker = worker  # with several workers, answers say which one served them (x-gateway-worker)
         self._router = router
         self._pool = pool
@@ -85,26 +87,45 @@ class Proxy:
         deadline = started + self._config.retry.max_time_s
         tried: frozenset[str] = frozenset()
         attempts = self._config.retry.max_attempts
-        for attempt in range(1, attempts + 1):
-            lease = self._router.lease_now(info, tried) or await self._router.acquire(info, tried)
-            watch = self._watchdogs.watch(self._config.timeouts.first_byte_s)
-            upstream: UpstreamResponse | None = None
-            try:
-                upstream, first = await self._send(request, lease, info, request_id, watch)
-                return await self._relay(responder, upstream, first, lease, info, started, watch)
-            except _Retryable as exc:
-                tried = tried | {lease.replica.url}
-                if attempt == attempts or loop.time() >= deadline:
-                    self._metrics.rejections.labels(exc.reason).inc()
-                    raise GatewayError(exc.status, f"{exc} (after {attempt} attempt(s))",
-                                       code="upstream_error") from None
-                self._metrics.retries.labels(exc.reason).inc()
-            finally:
-                self._watchdogs.done(watch)
-                lease.release()
-                if upstream is not None:
-                    upstream.close()
-        raise AssertionError("unreachable: the loop returns or raises")
+        trace = self._tracing.start(request, info)  # a malformed traceparent is a 400 here
+        status, error = 200, ""
+        try:
+            for attempt in range(1, attempts + 1):
+                lease = self._router.lease_now(info, tried)
+                if lease is None:
+                    trace.queued()
+                    lease = await self._router.acquire(info, tried)
+                trace.picked(lease)
+                watch = self._watchdogs.watch(self._config.timeouts.first_byte_s)
+                upstream: UpstreamResponse | None = None
+                try:
+                    upstream, first = await self._send(request, lease, info, request_id, watch,
+                                                       trace.attempt(lease, attempt))
+                    status = upstream.status
+                    trace.first_byte()
+                    return await self._relay(responder, upstream, first, lease, info, started, watch)
+                except _Retryable as exc:
+                    trace.attempt_failed(exc.reason, exc.status)
+                    tried = tried | {lease.replica.url}
+                    if attempt == attempts or loop.time() >= deadline:
+                        self._metrics.rejections.labels(exc.reason).inc()
+                        raise GatewayError(exc.status, f"{exc} (after {attempt} attempt(s))",
+                                           code="upstream_error") from None
+                    self._metrics.retries.labels(exc.reason).inc()
+                finally:
+                    self._watchdogs.done(watch)
+                    lease.release()
+                    if upstream is not None:
+                        upstream.close()
+            raise AssertionError("unreachable: the loop returns or raises")
+        except GatewayError as exc:
+            status, error = exc.status, exc.message
+            raise
+        except asyncio.CancelledError:
+            status, error = 499, "the client went away"
+            raise
+        finally:
+            trace.finish(status, error)
 
     def close(self) -> None:
         self._watchdogs.close()
@@ -116,13 +137,13 @@ class Proxy:
         return origin
 
     async def _send(self, request: Request, lease: Lease, info: RequestInfo, request_id: str,
-                    watch: _Watch) -> tuple[UpstreamResponse, bytes]:
+                    watch: _Watch, trace_headers: bytes) -> tuple[UpstreamResponse, bytes]:
         """The replica's answer and its first chunk (or whole body), within the first-byte timeout."""
         replica = lease.replica
         origin = self._origin(replica.url)
-        head = b"%b %b HTTP/1.1\r\nHost: %b\r\nContent-Length: %d\r\nX-Request-Id: %b\r\n%b\r\n" % (
+        head = b"%b %b HTTP/1.1\r\nHost: %b\r\nContent-Length: %d\r\nX-Request-Id: %b\r\n%b%b\r\n" % (
             request.method.encode("latin-1"), request.target.encode("latin-1"), origin.host_header,
-            len(request.body), request_id.encode("latin-1"), self._headers)
+            len(request.body), request_id.encode("latin-1"), self._headers, trace_headers)
         response: UpstreamResponse | None = None
         try:
             response = await self._pool.request(origin, head, request.body)

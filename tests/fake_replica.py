@@ -54,6 +54,7 @@ class FakeStats:
     """What the fake saw: request bodies and arrival times, and what is running now."""
 
     bodies: list[dict] = field(default_factory=list)
+    trace_headers: list[dict[str, str]] = field(default_factory=list)  # traceparent/tracestate, per request
     arrivals: list[float] = field(default_factory=list)
     running: int = 0
     waiting: int = 0
@@ -91,6 +92,7 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
     except json.JSONDecodeError:
         return _error(400, "invalid JSON")
     stats.bodies.append(body)
+    stats.trace_headers.append({k: v for k in ("traceparent", "tracestate") if (v := request.headers.get(k))})
     stats.arrivals.append(time.monotonic())
     if body.get("model") != behavior.model:
         return _error(404, f"The model `{body.get('model')}` does not exist.")

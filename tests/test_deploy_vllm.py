@@ -6,6 +6,7 @@ last one stops the deployment with SIGTERM.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import random
@@ -26,6 +27,7 @@ import pytest
 from openai import OpenAI
 
 from tests.conftest import port_bound
+from tests.otlp_collector import Collector, otlp_collector
 
 pytestmark = pytest.mark.vllm
 
@@ -106,17 +108,28 @@ def running_requests(replica_url: str) -> float:
 
 
 @pytest.fixture(scope="module")
-def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
-    """`deploy up --model tiny --replicas 2` in its own session, healthy; torn down at the end in any case."""
+def collector() -> Iterator[Collector]:
+    """A FAKE OTLP collector the module's replicas export their spans to (vLLM's --otlp-traces-endpoint)."""
+    with otlp_collector() as running_collector:
+        yield running_collector
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory: pytest.TempPathFactory, collector: Collector) -> Iterator[Deployment]:
+    """`deploy up --model tiny --replicas 2` in its own session, healthy; torn down at the end in any case.
+
+    The replicas trace to `collector` (vLLM records one span per finished request: cheap next to the request)."""
     run_dir = tmp_path_factory.mktemp("deploy-run")
     base = free_ports(3)
     log = run_dir / "deploy-up.log"
     argv = [sys.executable, "-m", "deploy.cli", "up", "--model", "tiny", "--replicas", "2", "--port", str(base),
             "--replica-port-base", str(base + 1), "--run-dir", str(run_dir), "--startup-timeout", "300",
-            "--host", "127.0.0.1", "--silent-start-timeout", "60"]  # a start logs its first line within ~10 s
+            "--host", "127.0.0.1", "--silent-start-timeout", "60",  # a start logs its first line within ~10 s
+            "--", "--otlp-traces-endpoint", collector.url]
+    env = {**os.environ, "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf", "OTEL_SERVICE_NAME": "vllm"}
     with log.open("wb") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                cwd=Path(__file__).resolve().parent.parent)
+                                cwd=Path(__file__).resolve().parent.parent, env=env)
     dep = Deployment(proc, run_dir, log, f"http://127.0.0.1:{base}")
     try:
         wait_for(lambda: all_healthy(dep), STARTUP_S, "two healthy replicas and the gateway", dep)
@@ -238,6 +251,34 @@ def test_client_disconnect_mid_stream_aborts_the_request(deployment: Deployment)
         hung_up = time.monotonic()
     wait_for(lambda: running_requests(replica) == 0, 2.0, "vllm:num_requests_running to return to 0")
     assert time.monotonic() - hung_up < 2.5
+
+
+async def test_one_trace_runs_from_the_client_through_the_gateway_into_vllm(deployment: Deployment,
+                                                                           collector: Collector) -> None:
+    """A gateway tracing to the collector in front of these replicas (which trace there too): the client's trace id
+    is on the gateway's spans and on vLLM's `llm_request`, whose parent is the gateway's upstream attempt."""
+    from gateway.app import running
+    from gateway.config import from_mapping
+
+    trace_id, parent = f"{random.getrandbits(128):032x}", f"{random.getrandbits(64):016x}"
+    replicas = [r["url"] for r in deployment.state()["replicas"]]
+    config = from_mapping({"replicas": replicas, "host": "127.0.0.1", "port": 0,
+                           "tracing": {"endpoint": collector.url, "timeout_s": 5}})
+    async with running(config, grace_s=5) as (gateway, port):
+        assert gateway.health is not None
+        await gateway.health.probe_all()
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=60)
+        headers = {"traceparent": f"00-{trace_id}-{parent}-01"}
+        done = await asyncio.to_thread(lambda: client.completions.create(
+            model=MODEL, prompt="Tracing", max_tokens=4, extra_headers=headers))
+        assert done.choices[0].text is not None
+    vllm = collector.wait_for(lambda s: s.trace_id == trace_id and s.name == "llm_request", timeout_s=30)
+    spans = {s.name: s for s in collector.spans if s.trace_id == trace_id}
+    assert vllm, f"no llm_request span from vLLM in trace {trace_id}: {sorted(spans)}"
+    assert spans["gateway.request"].parent_span_id == parent
+    assert vllm[0].parent_span_id == spans["gateway.upstream"].span_id
+    assert vllm[0].service == "vllm" and spans["gateway.request"].service == "smallserve-gateway"
+    assert vllm[0].attributes["gen_ai.usage.completion_tokens"] == 4
 
 
 def test_the_simulator_against_these_replicas_quick(deployment: Deployment, tmp_path: Path) -> None:

@@ -1,0 +1,181 @@
+"""What tracing costs the gateway: off, on at ratio 0.01, on at 1.0, side by side in interleaved rounds.
+
+Three gateways (same config but `tracing:`) in front of one fast FAKE replica; spans go to a local sink that
+accepts OTLP/HTTP and throws it away (a real collector would run elsewhere). Each round sends the same open-loop
+schedule of non-streaming requests (and of 64-chunk streams) to each gateway in turn; the figures are the gateway
+process's CPU time per request (from /proc) and the client's p50 latency, medians over rounds, with ratios to off.
+
+    python -m bench.tracing_cost [--rounds 5] [--seconds 10] [--rate 100] [--baseline REV] [--json FILE]
+
+--baseline REV adds the gateway as it was at git revision REV (e.g. the commit before tracing), from a temporary
+worktree: "off" against it is what the tracing code costs when off.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from bench.gateway_overhead import ROOT, cpu_seconds, free_port, pct, process, wait_ready
+
+VARIANTS = {"off": None, "on, ratio 0.01": 0.01, "on, ratio 1.0": 1.0}
+
+
+@contextmanager
+def baseline_gateway(rev: str, config: Path, url: str) -> Iterator[subprocess.Popen[bytes]]:
+    """The gateway at git revision `rev`, from a temporary worktree, serving `config`."""
+    tree = Path(tempfile.mkdtemp()) / "baseline"
+    subprocess.run(["git", "worktree", "add", "--detach", str(tree), rev], cwd=ROOT, check=True,
+                   capture_output=True, timeout=60)
+    proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--config", str(config)], cwd=tree,
+                            env={**os.environ, "PYTHONPATH": str(tree)}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        wait_ready(url + "/ready")
+        yield proc
+    finally:
+        proc.terminate()
+        proc.wait(10)
+        subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=ROOT, timeout=60, check=False)
+        shutil.rmtree(tree.parent, ignore_errors=True)
+
+
+@contextmanager
+def span_sink() -> Iterator[tuple[str, list[int]]]:
+    """An OTLP/HTTP endpoint that answers 200 to every export; yields its URL and the bytes it received."""
+    received = [0]
+
+    class Sink(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+            received[0] += len(self.rfile.read(int(self.headers.get("Content-Length") or 0)))
+            self.send_response(200)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, format: str, *args: Any) -> None:
+            return None
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Sink)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/v1/traces", received
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+async def schedule(url: str, rate: float, seconds: float, stream: bool) -> list[float]:
+    """Latencies (s) of requests sent open-loop at `rate` per second (to the last byte of the answer)."""
+    body = json.dumps({"model": "fake-model", "prompt": "hello", "max_tokens": 64 if stream else 16,
+                       "stream": stream}).encode()
+    latencies: list[float] = []
+    loop = asyncio.get_running_loop()
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        async def one() -> None:
+            start = loop.time()
+            async with session.post(url + "/v1/completions", data=body,
+                                    headers={"Content-Type": "application/json"}) as response:
+                await response.read()
+                if response.status != 200:
+                    raise RuntimeError(f"{url} answered {response.status}")
+            latencies.append(loop.time() - start)
+
+        for _ in range(20):  # warm the connection pool
+            await one()
+        latencies.clear()
+        tasks = []
+        t0 = loop.time()
+        for i in range(int(rate * seconds)):
+            delay = t0 + i / rate - loop.time()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(one()))
+        await asyncio.gather(*tasks)
+    return latencies
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--seconds", type=float, default=10)
+    parser.add_argument("--rate", type=float, default=100, help="requests/s of each schedule (100)")
+    parser.add_argument("--baseline", metavar="REV", help="also the gateway at this git revision (tracing off)")
+    parser.add_argument("--json", metavar="FILE", help="also write the figures here")
+    args = parser.parse_args()
+    variants: dict[str, float | None] = dict(VARIANTS)
+    if args.baseline:
+        variants = {f"before ({args.baseline})": None, **variants}
+    replica_port = free_port()
+    replica = f"http://127.0.0.1:{replica_port}"
+    workdir = Path(tempfile.mkdtemp())
+    cpu: dict[tuple[str, str], list[float]] = {}
+    p50: dict[tuple[str, str], list[float]] = {}
+    with ExitStack() as stack:
+        sink_url, received = stack.enter_context(span_sink())
+        stack.enter_context(process([sys.executable, "bench/fast_replica.py", "--port", str(replica_port)],
+                                    replica + "/health"))
+        gateways = {}
+        for name, ratio in variants.items():
+            port = free_port()
+            config = {"replicas": [{"url": replica, "max_requests": 100000, "max_outstanding_tokens": 10**9}],
+                      "port": port, "host": "127.0.0.1", "log_level": "warning"}
+            if ratio is not None:
+                config["tracing"] = {"endpoint": sink_url, "sampling_ratio": ratio}
+            path = workdir / f"gateway-{len(gateways)}.yaml"
+            path.write_text(json.dumps(config))
+            url = f"http://127.0.0.1:{port}"
+            if name.startswith("before"):
+                proc = stack.enter_context(baseline_gateway(args.baseline, path, url))
+            else:
+                proc = stack.enter_context(process([sys.executable, "-m", "gateway.cli", "serve", "--config",
+                                                    str(path)], url + "/ready"))
+            gateways[name] = (url, proc.pid)
+        for r in range(args.rounds):
+            for kind, stream in (("request", False), ("stream of 64 chunks", True)):
+                order = list(gateways.items())
+                if r % 2:
+                    order.reverse()  # neither variant always goes first
+                for name, (url, pid) in order:
+                    cpu0 = cpu_seconds(pid)
+                    lat = asyncio.run(schedule(url, args.rate if not stream else args.rate / 4, args.seconds, stream))
+                    time.sleep(0.5)  # the batch exporter's thread finishes its share of the work
+                    cpu.setdefault((kind, name), []).append((cpu_seconds(pid) - cpu0) / len(lat))
+                    p50.setdefault((kind, name), []).append(pct(lat, 50))
+            print(f"round {r + 1}/{args.rounds} done", file=sys.stderr)
+    med = statistics.median
+    report: dict[str, Any] = {"rounds": args.rounds, "seconds": args.seconds, "rate": args.rate,
+                              "span_bytes_exported": received[0]}
+    print(f"\nTracing cost, fast fake replica, medians of {args.rounds} interleaved rounds of {args.seconds:g} s "
+          f"({args.rate:g} requests/s; streams at a quarter of that)")
+    print(f"{'per':22} {'tracing':16} {'gateway CPU us':>15} {'x off':>7} {'p50 ms':>8} {'x off':>7}")
+    for kind in ("request", "stream of 64 chunks"):
+        base_cpu, base_p50 = med(cpu[(kind, "off")]), med(p50[(kind, "off")])
+        for name in variants:
+            c, p = med(cpu[(kind, name)]), med(p50[(kind, name)])
+            print(f"{kind:22} {name:16} {c * 1e6:15.0f} {c / base_cpu:7.2f} {p * 1e3:8.2f} {p / base_p50:7.2f}")
+            report[f"{kind} / {name}"] = {"cpu_us": c * 1e6, "cpu_ratio": c / base_cpu, "p50_ms": p * 1e3,
+                                          "p50_ratio": p / base_p50, "cpu_us_rounds": [x * 1e6 for x in
+                                                                                         cpu[(kind, name)]]}
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
