@@ -131,7 +131,7 @@ def main() -> None:
         sink_url, received = stack.enter_context(span_sink())
         stack.enter_context(process([sys.executable, "bench/fast_replica.py", "--port", str(replica_port)],
                                     replica + "/health"))
-        gateways = {}
+        gateways: dict[str, tuple[str, int]] = {}
         for name, ratio in variants.items():
             port = free_port()
             config = {"replicas": [{"url": replica, "max_requests": 100000, "max_outstanding_tokens": 10**9}],
