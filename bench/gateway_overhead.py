@@ -88,12 +88,16 @@ class WrkResult:
     errors: int
 
 
-def wrk(url: str, body: dict[str, object], connections: int, seconds: float, threads: int = 1) -> WrkResult:
+def wrk(url: str, body: dict[str, object], connections: int, seconds: float, threads: int = 1,
+        auth: str | None = None, cores: list[int] | None = None) -> WrkResult:
+    """wrk POSTing `body` to url/v1/completions (with `auth` as a Bearer key; pinned to `cores` with taskset)."""
     with tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False) as script:
         script.write(f'wrk.method = "POST"\nwrk.body = {json.dumps(json.dumps(body))}\n'
-                     'wrk.headers["Content-Type"] = "application/json"\n')
+                     'wrk.headers["Content-Type"] = "application/json"\n'
+                     + (f'wrk.headers["Authorization"] = "Bearer {auth}"\n' if auth else ""))
+    pin = ["taskset", "-c", ",".join(map(str, cores))] if cores else []
     try:
-        out = subprocess.run(["wrk", f"-t{threads}", f"-c{connections}", f"-d{int(seconds)}s", "--timeout", "30s", "-s", script.name,
+        out = subprocess.run([*pin, "wrk", f"-t{threads}", f"-c{connections}", f"-d{int(seconds)}s", "--timeout", "30s", "-s", script.name,
                               url + "/v1/completions"], capture_output=True, text=True, timeout=seconds + 30).stdout
     finally:
         os.unlink(script.name)

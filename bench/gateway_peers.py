@@ -1,0 +1,291 @@
+"""This gateway against the proxies a user would pick instead, on one rig, in interleaved rounds.
+
+Peers: vLLM's Rust router (PyPI `vllm-router`), SGLang's Rust router (PyPI `sglang-router`), each in its own
+virtual environment under runs/peers/, and nginx (`least_conn`, the system's package). `--install` installs what is
+missing (pip from PyPI; apt-get for nginx and wrk). Every peer runs with its default policy; this gateway with its
+default policy, API keys on and its client deadlines on (the protections stay on).
+
+The rig: two FAST fake replicas (bench/fast_replica.py) and the load generators on the first cores, each gateway
+pinned alone to the last core (`taskset`). For each gateway, in rounds that go through the gateways in turn:
+  - CPU per non-streaming request: wrk, 32 connections, the gateway's CPU time (its whole process tree, /proc)
+    over the requests served;
+  - p50 latency at 100 requests/s, open loop (one Python client; "direct" is the same schedule to a replica);
+  - CPU per SSE event, back to back: streams of 64 events written at once;
+  - CPU per SSE event, 5 ms apart: streams of 64 events paced like tokens, 64 connections.
+Medians over rounds; every figure also as a ratio to the vLLM router's in the same run.
+
+    python -m bench.gateway_peers [--install] [--rounds 3] [--seconds 5] [--save]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import psutil
+
+from bench.common import RESULTS, markdown_table
+from bench.gateway_overhead import ROOT, free_port, pct, wrk
+
+PEERS_DIR = ROOT / "runs" / "peers"
+KEY = "sk-bench"
+EVENTS = 64
+PACED_MS = 5
+REFERENCE = "vLLM router"
+
+
+@dataclass(frozen=True)
+class Gateway:
+    name: str
+    argv: Callable[[int, list[str], Path], list[str]]  # (port, replica URLs, work dir) -> command
+    installed: Callable[[], bool]
+
+
+def _router(package: str, module: str) -> Callable[[int, list[str], Path], list[str]]:
+    def argv(port: int, replicas: list[str], workdir: Path) -> list[str]:
+        return [str(PEERS_DIR / package / "bin" / "python"), "-m", module, "--host", "127.0.0.1", "--port",
+                str(port), "--worker-urls", *replicas, "--prometheus-port", str(free_port())]
+    return argv
+
+
+def _nginx(port: int, replicas: list[str], workdir: Path) -> list[str]:
+    servers = "".join(f"server {u.removeprefix('http://')};" for u in replicas)
+    conf = workdir / f"nginx-{port}.conf"
+    conf.write_text(
+        f"worker_processes 1; pid {workdir}/nginx-{port}.pid; error_log {workdir}/nginx-{port}.err warn;"
+        "events { worker_connections 4096; }"
+        f"http {{ access_log off; client_body_temp_path {workdir}; proxy_temp_path {workdir};"
+        f" upstream replicas {{ least_conn; {servers} keepalive 64; }}"
+        f" server {{ listen 127.0.0.1:{port}; location / {{ proxy_pass http://replicas;"
+        " proxy_http_version 1.1; proxy_set_header Connection \"\"; proxy_buffering off; } } }")
+    return ["nginx", "-c", str(conf), "-g", "daemon off;"]
+
+
+def _ours(port: int, replicas: list[str], workdir: Path) -> list[str]:
+    config = workdir / f"gateway-{port}.yaml"
+    config.write_text(json.dumps({
+        "replicas": [{"url": u, "max_requests": 100000, "max_outstanding_tokens": 10**9} for u in replicas],
+        "host": "127.0.0.1", "port": port, "api_keys": [KEY], "log_level": "warning",
+        "queue": {"max_size": 10000, "max_wait_s": 30}}))
+    return [sys.executable, "-m", "gateway.cli", "serve", "--config", str(config)]
+
+
+GATEWAYS = (
+    Gateway("nginx least_conn", _nginx, lambda: shutil.which("nginx") is not None),
+    Gateway(REFERENCE, _router("vllm-router", "vllm_router.launch_router"),
+            lambda: (PEERS_DIR / "vllm-router" / "bin" / "vllm-router").exists()),
+    Gateway("SGLang router", _router("sglang-router", "sglang_router.launch_router"),
+            lambda: (PEERS_DIR / "sglang-router" / "bin" / "python").exists()),
+    Gateway("this gateway", _ours, lambda: True),
+)
+
+
+def install() -> None:
+    """The peers' virtual environments from PyPI, nginx and wrk from the system's packages."""
+    for package in ("vllm-router", "sglang-router"):
+        venv = PEERS_DIR / package
+        if not (venv / "bin" / "python").exists():
+            subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
+        subprocess.run([str(venv / "bin" / "pip"), "install", "-q", "--disable-pip-version-check", package],
+                       check=True, timeout=900)
+    missing = [p for p in ("nginx", "wrk") if shutil.which(p) is None]
+    if missing:
+        sudo = [] if os.geteuid() == 0 else ["sudo"]
+        subprocess.run([*sudo, "apt-get", "install", "-y", "-q", *missing], check=True, timeout=900)
+
+
+def cpus() -> tuple[list[int], list[int]]:
+    """(cores for the replicas and the load, the core for the gateway under test)."""
+    available = sorted(os.sched_getaffinity(0))
+    if len(available) < 2:
+        sys.exit("bench: two cores at least (one for the gateway under test)")
+    return available[:-1], available[-1:]
+
+
+def pinned(argv: list[str], cores: list[int]) -> list[str]:
+    return ["taskset", "-c", ",".join(map(str, cores)), *argv]
+
+
+def answer_ok(url: str) -> bool:
+    request = urllib.request.Request(url + "/v1/completions", data=json.dumps(
+        {"model": "fake-model", "prompt": "hi", "max_tokens": 2}).encode(), headers={
+        "Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
+    try:
+        with urllib.request.urlopen(request, timeout=2) as response:
+            return bool(response.status == 200)
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+@contextmanager
+def started(argv: list[str], url: str, log: Path, timeout_s: float = 60) -> Iterator[psutil.Process]:
+    """The command running (its own process group) and answering completions at `url`."""
+    with log.open("wb") as out:
+        proc = subprocess.Popen(argv, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while not answer_ok(url):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"{log.stem} did not answer at {url}: {log.read_text()[-2000:]}")
+            time.sleep(0.2)
+        yield psutil.Process(proc.pid)
+    finally:
+        os.killpg(proc.pid, 15)
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+
+
+def cpu_s(process: psutil.Process) -> float:
+    """CPU seconds of a process and its children (nginx's worker; Rust routers' threads are in the process)."""
+    total = 0.0
+    for p in (process, *process.children(recursive=True)):
+        try:
+            times = p.cpu_times()
+            total += times.user + times.system
+        except psutil.NoSuchProcess:
+            continue
+    return total
+
+
+async def open_loop(url: str, rate: float, seconds: float) -> list[float]:
+    """Latencies (s) of non-streaming requests sent at `rate` per second."""
+    body = json.dumps({"model": "fake-model", "prompt": "hello", "max_tokens": 16}).encode()
+    headers = {"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"}
+    latencies: list[float] = []
+    loop = asyncio.get_running_loop()
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        async def one() -> None:
+            start = loop.time()
+            async with session.post(url + "/v1/completions", data=body, headers=headers) as response:
+                await response.read()
+                if response.status != 200:
+                    raise RuntimeError(f"{url} answered {response.status}")
+            latencies.append(loop.time() - start)
+
+        for _ in range(20):
+            await one()
+        latencies.clear()
+        tasks, t0 = [], loop.time()
+        for i in range(int(rate * seconds)):
+            delay = t0 + i / rate - loop.time()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(one()))
+        await asyncio.gather(*tasks)
+    return latencies
+
+
+SCENARIOS: dict[str, tuple[dict[str, Any], int, int, float]] = {  # body, connections, units per answer, x seconds
+    "CPU us per request": ({"model": "fake-model", "prompt": "hello", "max_tokens": 16}, 32, 1, 1.0),
+    "CPU us per event, back to back": ({"model": "fake-model", "prompt": "hello", "max_tokens": EVENTS,
+                                        "stream": True}, 32, EVENTS, 1.0),
+    f"CPU us per event, {PACED_MS} ms apart": ({"model": "fake-model", "prompt": "hello", "max_tokens": EVENTS,
+                                               "stream": True, "bench_itl_ms": PACED_MS}, 64, EVENTS, 2.0),
+}
+P50 = "p50 us at 100 req/s"
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    load_cores, gateway_core = cpus()
+    os.sched_setaffinity(0, load_cores)  # this process is the open-loop client
+    workdir = Path(tempfile.mkdtemp(prefix="peers-"))
+    figures: dict[str, dict[str, list[float]]] = {}
+    with ExitStack() as stack:
+        replicas = []
+        for i in range(2):
+            port = free_port()
+            url = f"http://127.0.0.1:{port}"
+            stack.enter_context(started(pinned([sys.executable, "bench/fast_replica.py", "--port", str(port)],
+                                               load_cores), url, workdir / f"replica-{i}.log"))
+            replicas.append(url)
+        running = {}
+        for gateway in GATEWAYS:
+            if not gateway.installed():
+                print(f"bench: {gateway.name} is not installed (--install): left out", file=sys.stderr)
+                continue
+            port = free_port()
+            url = f"http://127.0.0.1:{port}"
+            process = stack.enter_context(started(pinned(gateway.argv(port, replicas, workdir), gateway_core), url,
+                                                  workdir / f"{gateway.name.replace(' ', '-')}.log"))
+            running[gateway.name] = (url, process)
+        for r in range(args.rounds):
+            order = list(running.items())[::-1 if r % 2 else 1]
+            for scenario, (body, connections, units, stretch) in SCENARIOS.items():
+                for name, (url, process) in order:
+                    before = cpu_s(process)
+                    result = wrk(url, {**body}, connections, args.seconds * stretch, auth=KEY, cores=load_cores)
+                    if result.errors or not result.requests:
+                        raise RuntimeError(f"{scenario} via {name}: {result.errors} errors in {result.requests} "
+                                           "requests")
+                    figures.setdefault(scenario, {}).setdefault(name, []).append(
+                        (cpu_s(process) - before) / (result.requests * units) * 1e6)
+            for name, url in [("direct", replicas[0]), *((n, u) for n, (u, _) in order)]:
+                lat = asyncio.run(open_loop(url, 100, args.seconds * 2))
+                figures.setdefault(P50, {}).setdefault(name, []).append(pct(lat, 50) * 1e6)
+            print(f"round {r + 1}/{args.rounds} done", file=sys.stderr)
+    return {"rounds": args.rounds, "seconds": args.seconds, "load_cores": load_cores, "gateway_core": gateway_core,
+            "figures": figures}
+
+
+def report(result: dict[str, Any]) -> str:
+    figures = result["figures"]
+    names = [g.name for g in GATEWAYS if g.name in figures[P50]]
+    columns = [*SCENARIOS, P50]
+    rows = []
+    for name in names:
+        row: list[object] = [name]
+        for column in columns:
+            value, reference = (statistics.median(figures[column][n]) for n in (name, REFERENCE))
+            row.append(f"{value:.1f} ({value / reference:.2f}x)")
+        rows.append(row)
+    direct = statistics.median(figures[P50]["direct"])
+    return "\n".join([
+        "# This gateway against its peers", "",
+        f"`python -m bench.gateway_peers --rounds {result['rounds']} --seconds {result['seconds']:g}`: two fast fake "
+        f"replicas and the load on cores {result['load_cores']}, each gateway alone on core "
+        f"{result['gateway_core']}; medians of {result['rounds']} interleaved rounds, ratios to the {REFERENCE}. "
+        f"Direct to a replica, p50 at 100 req/s: {direct:.0f} us.", "",
+        markdown_table(["gateway", *columns], rows)])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--install", action="store_true", help="install the peers (PyPI) and nginx, wrk (apt)")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--seconds", type=float, default=5)
+    parser.add_argument("--save", action="store_true", help="write docs/bench/gateway_overhead.md and "
+                        "docs/bench/gateway_peers.json")
+    args = parser.parse_args()
+    if args.install:
+        install()
+    if shutil.which("wrk") is None:
+        sys.exit("bench: wrk is needed (--install, or apt-get install wrk)")
+    result = measure(args)
+    text = report(result)
+    print(text)
+    if args.save:
+        (RESULTS / "gateway_peers.json").write_text(json.dumps(result, indent=1) + "\n")
+        (RESULTS / "gateway_overhead.md").write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
