@@ -77,8 +77,14 @@ def process(args: list[str], ready_url: str) -> Iterator[subprocess.Popen[bytes]
 
 
 def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """CPU time of a process, all its threads, in nanoseconds' resolution (schedstat; /proc/PID/stat's clock
+    ticks of 10 ms would round a 10 s run of 1,000 requests to 10 us a request)."""
+    try:
+        return sum(int((task / "schedstat").read_text().split()[0]) for task in Path(f"/proc/{pid}/task").iterdir()
+                   ) / 1e9
+    except (FileNotFoundError, ProcessLookupError):  # a thread that ended between the listing and the read
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,7 @@ import aiohttp
 import psutil
 
 from bench.common import RESULTS, markdown_table
-from bench.gateway_overhead import ROOT, free_port, pct, wrk
+from bench.gateway_overhead import ROOT, cpu_seconds, free_port, pct, wrk
 
 PEERS_DIR = ROOT / "runs" / "peers"
 KEY = "sk-bench"
@@ -155,13 +155,12 @@ def started(argv: list[str], url: str, log: Path, timeout_s: float = 60) -> Iter
 
 
 def cpu_s(process: psutil.Process) -> float:
-    """CPU seconds of a process and its children (nginx's worker; Rust routers' threads are in the process)."""
+    """CPU seconds of a process and its children (nginx's worker), every thread (the Rust routers' runtimes)."""
     total = 0.0
     for p in (process, *process.children(recursive=True)):
         try:
-            times = p.cpu_times()
-            total += times.user + times.system
-        except psutil.NoSuchProcess:
+            total += cpu_seconds(p.pid)
+        except FileNotFoundError:  # ended meanwhile
             continue
     return total
 

@@ -1,14 +1,15 @@
-"""What tracing costs the gateway: off, on at ratio 0.01, on at 1.0, side by side in interleaved rounds.
+"""What the optional features cost the gateway: everything off, and each feature on, side by side.
 
-Three gateways (same config but `tracing:`) in front of one fast FAKE replica; spans go to a local sink that
-accepts OTLP/HTTP and throws it away (a real collector would run elsewhere). Each round sends the same open-loop
-schedule of non-streaming requests (and of 64-chunk streams) to each gateway in turn; the figures are the gateway
-process's CPU time per request (from /proc) and the client's p50 latency, medians over rounds, with ratios to off.
+One gateway per variant (the same config but the feature's section) in front of one fast FAKE replica; tracing's
+spans go to a local sink that accepts OTLP/HTTP and throws it away (a real collector would run elsewhere). Each
+round sends the same open-loop schedule of non-streaming requests (and of 64-chunk streams) to each gateway in turn;
+the figures are the gateway process's CPU time per request (from /proc) and the client's p50 latency, medians over
+rounds, with ratios to "off".
 
-    python -m bench.tracing_cost [--rounds 5] [--seconds 10] [--rate 100] [--baseline REV] [--json FILE]
+    python -m bench.feature_cost [--rounds 5] [--seconds 10] [--rate 100] [--baseline REV] [--save]
 
---baseline REV adds the gateway as it was at git revision REV (e.g. the commit before tracing), from a temporary
-worktree: "off" against it is what the tracing code costs when off.
+--baseline REV adds the gateway as it was at git revision REV (e.g. before a feature), from a temporary worktree:
+"off" against it is what the features' code costs when they are off.
 """
 
 from __future__ import annotations
@@ -32,9 +33,16 @@ from typing import Any
 
 import aiohttp
 
+from bench.common import markdown_table, save
 from bench.gateway_overhead import ROOT, cpu_seconds, free_port, pct, process, wait_ready
 
-VARIANTS = {"off": None, "on, ratio 0.01": 0.01, "on, ratio 1.0": 1.0}
+# name -> the config sections that turn the feature on (SINK: the span sink's URL)
+SINK = "<sink>"
+VARIANTS: dict[str, dict[str, Any]] = {
+    "off": {},
+    "tracing, ratio 0.01": {"tracing": {"endpoint": SINK, "sampling_ratio": 0.01}},
+    "tracing, ratio 1.0": {"tracing": {"endpoint": SINK, "sampling_ratio": 1.0}},
+}
 
 
 @contextmanager
@@ -117,11 +125,11 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=10)
     parser.add_argument("--rate", type=float, default=100, help="requests/s of each schedule (100)")
     parser.add_argument("--baseline", metavar="REV", help="also the gateway at this git revision (tracing off)")
-    parser.add_argument("--json", metavar="FILE", help="also write the figures here")
+    parser.add_argument("--save", action="store_true", help="write docs/bench/feature_cost.{json,md}")
     args = parser.parse_args()
-    variants: dict[str, float | None] = dict(VARIANTS)
+    variants = dict(VARIANTS)
     if args.baseline:
-        variants = {f"before ({args.baseline})": None, **variants}
+        variants = {f"before ({args.baseline})": {}, **variants}
     replica_port = free_port()
     replica = f"http://127.0.0.1:{replica_port}"
     workdir = Path(tempfile.mkdtemp())
@@ -132,12 +140,11 @@ def main() -> None:
         stack.enter_context(process([sys.executable, "bench/fast_replica.py", "--port", str(replica_port)],
                                     replica + "/health"))
         gateways: dict[str, tuple[str, int]] = {}
-        for name, ratio in variants.items():
+        for name, sections in variants.items():
             port = free_port()
             config = {"replicas": [{"url": replica, "max_requests": 100000, "max_outstanding_tokens": 10**9}],
-                      "port": port, "host": "127.0.0.1", "log_level": "warning"}
-            if ratio is not None:
-                config["tracing"] = {"endpoint": sink_url, "sampling_ratio": ratio}
+                      "port": port, "host": "127.0.0.1", "log_level": "warning",
+                      **json.loads(json.dumps(sections).replace(SINK, sink_url))}
             path = workdir / f"gateway-{len(gateways)}.yaml"
             path.write_text(json.dumps(config))
             url = f"http://127.0.0.1:{port}"
@@ -162,19 +169,25 @@ def main() -> None:
     med = statistics.median
     report: dict[str, Any] = {"rounds": args.rounds, "seconds": args.seconds, "rate": args.rate,
                               "span_bytes_exported": received[0]}
-    print(f"\nTracing cost, fast fake replica, medians of {args.rounds} interleaved rounds of {args.seconds:g} s "
-          f"({args.rate:g} requests/s; streams at a quarter of that)")
-    print(f"{'per':22} {'tracing':16} {'gateway CPU us':>15} {'x off':>7} {'p50 ms':>8} {'x off':>7}")
+    rows = []
     for kind in ("request", "stream of 64 chunks"):
         base_cpu, base_p50 = med(cpu[(kind, "off")]), med(p50[(kind, "off")])
         for name in variants:
             c, p = med(cpu[(kind, name)]), med(p50[(kind, name)])
-            print(f"{kind:22} {name:16} {c * 1e6:15.0f} {c / base_cpu:7.2f} {p * 1e3:8.2f} {p / base_p50:7.2f}")
+            rows.append([kind, name, f"{c * 1e6:.0f}", f"{c / base_cpu:.2f}", f"{p * 1e3:.2f}", f"{p / base_p50:.2f}"])
             report[f"{kind} / {name}"] = {"cpu_us": c * 1e6, "cpu_ratio": c / base_cpu, "p50_ms": p * 1e3,
-                                          "p50_ratio": p / base_p50, "cpu_us_rounds": [x * 1e6 for x in
-                                                                                         cpu[(kind, name)]]}
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2))
+                                          "p50_ratio": p / base_p50,
+                                          "cpu_us_rounds": [x * 1e6 for x in cpu[(kind, name)]]}
+    command = " ".join(["python -m bench.feature_cost", *sys.argv[1:]])
+    text = "\n".join([
+        "# What the optional features cost the gateway", "",
+        f"`{command}`: one fast fake replica, medians of {args.rounds} interleaved rounds of {args.seconds:g} s at "
+        f"{args.rate:g} requests/s (streams of 64 chunks at a quarter of that); CPU is the gateway process's per "
+        "request, p50 the client's.", "",
+        markdown_table(["per", "variant", "gateway CPU us", "x off", "p50 ms", "x off"], rows)])
+    print(text)
+    if args.save:
+        save("feature_cost", report, text)
 
 
 if __name__ == "__main__":
