@@ -104,7 +104,9 @@ async def chats_hit_rate(aiohttp_server: Any, gateway_for: Any, policy: str) -> 
     for i, engine in enumerate(node.engines):
         server = await aiohttp_server(make_app(engine, "sim", seed=i))
         urls.append(str(server.make_url("")).rstrip("/"))
-    gateways = [await gateway_for(urls, policy=policy), await gateway_for(urls, policy=policy)]
+    # a probe's answer may take a while when the in-process replicas are busy: no ejection for a slow probe
+    health = {"interval_s": 60, "timeout_s": 30}
+    gateways = [await gateway_for(urls, policy=policy, health=health) for _ in range(2)]
     system = {"role": "system", "content": "You answer questions about serving. " * 6}
 
     async def conversation(c: int) -> list[str]:
@@ -119,7 +121,7 @@ async def chats_hit_rate(aiohttp_server: Any, gateway_for: Any, policy: str) -> 
             messages += [{"role": "assistant", "content": raw.parse().choices[0].message.content or ""},
                          {"role": "user", "content": "and then? " * 10}]
             if turn == 1 and c == 0:
-                gateways[1] = await gateway_for(urls, policy=policy)  # restarted: a new gateway, no memory
+                gateways[1] = await gateway_for(urls, policy=policy, health=health)  # restarted: no memory
         return served
 
     chats = await asyncio.gather(*(conversation(c) for c in range(12)))
