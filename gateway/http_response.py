@@ -59,6 +59,13 @@ class Responder:
             data, self._head = self._head + data, b""
         await self._conn.write(data)
 
+    def send_now(self, data: bytes) -> bool:
+        """One chunk, written at once if the client is keeping up; False (nothing written) where `send` must wait
+        for it, or raise because it went away."""
+        if self._head:
+            return False
+        return self._conn.write_now(b"%x\r\n%b\r\n" % (len(data), data) if self._request.http11 else data)
+
     async def finish(self) -> None:
         """End a streamed response (the head too, if no chunk was sent)."""
         tail = b"0\r\n\r\n" if self._request.http11 else b""
@@ -118,6 +125,13 @@ class ResponseWriter(RequestReader):
         lines.extend(b"%b: %b\r\n" % (k.encode("latin-1"), v.encode("latin-1")) for k, v in headers.items())
         lines.append(b"\r\n")
         return b"".join(lines)
+
+    def write_now(self, data: bytes) -> bool:
+        """Write if the client is reading (no back-pressure) and still there; else False and nothing written."""
+        if self.closing or self._transport is None or self._paused_at is not None:
+            return False
+        self._transport.write(data)
+        return True
 
     async def write(self, data: bytes) -> None:
         if self.closing or self._transport is None:

@@ -199,6 +199,16 @@ class Proxy:
         self._watchdogs.rearm(watch, self._config.timeouts.idle_s)
         failure = ""
         held = b""  # the start of an event still arriving: relayed once whole, so an error event never joins it
+
+        def relay_now(part: bytes) -> bool:
+            """Whole events, straight to a client that keeps up, from the replica connection's callback."""
+            if held or not part.endswith(b"\n\n") or not responder.send_now(part):
+                return False  # queued for the loop below, which waits for the client or completes the event
+            lease.tokens(part.count(_SSE_EVENT))
+            watch.last = loop.time()
+            return True
+
+        upstream.splice(relay_now)
         try:
             while data:
                 if held or not data.endswith(b"\n\n"):
@@ -221,6 +231,8 @@ class Proxy:
                 logger.debug("client went away mid-stream from %s", lease.replica.url)
                 return
             failure = f"failed: {exc!r}"
+        finally:
+            upstream.splice(None)  # nothing more reaches the client behind this loop's back
         self._watchdogs.done(watch)
         try:
             if failure:

@@ -16,6 +16,7 @@ import asyncio
 import math
 import ssl
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import cast
 from urllib.parse import urlsplit
@@ -67,6 +68,8 @@ class _Connection(asyncio.Protocol):
         self.error: Exception | None = None
         self.idle_since = 0.0
         self._waiter: asyncio.Future[None] | None = None
+        # Takes body parts as they arrive, in the protocol's callback, while nothing is queued (UpstreamResponse.splice)
+        self.sink: Callable[[bytes], bool] | None = None
         self._framed = False  # the answer has a length or chunked encoding (else it ends with the connection)
         self._head_only = False  # the request is HEAD: its answer ends with its head
 
@@ -121,6 +124,8 @@ class _Connection(asyncio.Protocol):
             self.head.set_result(None)
 
     def on_body(self, body: bytes) -> None:
+        if self.sink is not None and not self.chunks and self.sink(body):
+            return  # relayed already: no task to wake
         self.chunks.append(body)
         self.buffered += len(body)
         if self.buffered > _PAUSE_AT and not self.paused and self.transport is not None:
@@ -201,6 +206,15 @@ class UpstreamResponse:
     async def readany(self) -> bytes:
         """The next part of the body that has arrived; b"" at its end."""
         return await self._conn.next_chunk()
+
+    def splice(self, sink: Callable[[bytes], bool] | None) -> None:
+        """From now on offer each part of the body to `sink` as it arrives, before any `readany` (None: stop).
+
+        A part the sink takes (it returns True) is never seen by `readany`; one it declines is queued, and later parts
+        are queued behind it until `readany` has taken them all, so the order holds. A streamed answer's parts then
+        reach the client from the protocol's callback, without waking the relaying task once per token.
+        """
+        self._conn.sink = sink
 
     async def read(self) -> bytes:
         """The whole body."""

@@ -1147,6 +1147,37 @@ async def test_stream_events_split_across_reads_arrive_whole(raw_replica: RawFac
     assert (status, body) == (200, stream)
 
 
+async def test_events_relayed_from_the_callback_and_by_the_loop_keep_their_order(
+        raw_replica: RawFactory, gateway_for: GatewayFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whole events one per read (relayed from the connection's callback), an event cut across reads (held by the
+    relaying loop), then whole events again: the client gets every byte in order, and the tokens are accounted."""
+    from gateway import upstream
+
+    waits = []
+    next_chunk = upstream._Connection.next_chunk
+
+    async def counted(self: upstream._Connection) -> bytes:
+        waits.append(1)
+        return await next_chunk(self)
+
+    monkeypatch.setattr(upstream._Connection, "next_chunk", counted)
+    events = [b'data: {"n": %d}\n\n' % i for i in range(8)] + [b"data: [DONE]\n\n"]
+    cut = events[3][:9], events[3][9:] + events[4]
+    parts = [events[0], events[1], events[2], cut[0], cut[1], events[5], events[6] + events[7], events[8]]
+    head = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+    chunks = tuple(b"%x\r\n%b\r\n" % (len(p), p) for p in parts)
+    replica = await raw_replica(lambda method, path, n: ((head + chunks[0], *chunks[1:], b"0\r\n\r\n"), False))
+    gw = await gateway_for([replica.url])
+    async with aiohttp.ClientSession() as session:
+        for _ in range(2):  # the second on the pooled connection, after the first left no sink behind
+            status, body = await post_completion(session, gw.url, stream=True, max_tokens=16)
+            assert (status, body) == (200, b"".join(events))
+    (tracked,) = gw.gateway.router.replicas.values()
+    assert tracked.outstanding == 0 and tracked.inflight == 0
+    # per answer the relaying task woke for the first part, the two halves of the cut event and the end: 4 of 9
+    assert len(waits) <= 2 * 5, len(waits)
+
+
 STALE = b'{"stale": true}'
 
 
