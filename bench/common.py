@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -38,3 +42,18 @@ def save(name: str, data: object, table: str) -> None:
 def figure_path(name: str) -> Path:
     FIGURES.mkdir(parents=True, exist_ok=True)
     return FIGURES / name
+
+
+@contextmanager
+def worktree(rev: str) -> Iterator[Path]:
+    """This repository at git revision `rev`, checked out in a temporary worktree (removed afterwards): run an
+    older gateway beside the current one (with PYTHONPATH set to the tree) for an A/B in one run."""
+    tree = Path(tempfile.mkdtemp(prefix="baseline-")) / "tree"
+    subprocess.run(["git", "worktree", "add", "--detach", str(tree), rev], cwd=ROOT, check=True,
+                   capture_output=True, timeout=60)
+    try:
+        yield tree
+    finally:
+        subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=ROOT, timeout=60, check=False,
+                       capture_output=True)
+        shutil.rmtree(tree.parent, ignore_errors=True)

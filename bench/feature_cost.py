@@ -18,7 +18,6 @@ import argparse
 import asyncio
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -33,8 +32,8 @@ from typing import Any
 
 import aiohttp
 
-from bench.common import markdown_table, save
-from bench.gateway_overhead import ROOT, cpu_seconds, free_port, pct, process, wait_ready
+from bench.common import markdown_table, save, worktree
+from bench.gateway_overhead import cpu_seconds, free_port, pct, process, wait_ready
 
 # name -> the config sections that turn the feature on (SINK: the span sink's URL)
 SINK = "<sink>"
@@ -48,20 +47,16 @@ VARIANTS: dict[str, dict[str, Any]] = {
 @contextmanager
 def baseline_gateway(rev: str, config: Path, url: str) -> Iterator[subprocess.Popen[bytes]]:
     """The gateway at git revision `rev`, from a temporary worktree, serving `config`."""
-    tree = Path(tempfile.mkdtemp()) / "baseline"
-    subprocess.run(["git", "worktree", "add", "--detach", str(tree), rev], cwd=ROOT, check=True,
-                   capture_output=True, timeout=60)
-    proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--config", str(config)], cwd=tree,
-                            env={**os.environ, "PYTHONPATH": str(tree)}, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    try:
-        wait_ready(url + "/ready")
-        yield proc
-    finally:
-        proc.terminate()
-        proc.wait(10)
-        subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=ROOT, timeout=60, check=False)
-        shutil.rmtree(tree.parent, ignore_errors=True)
+    with worktree(rev) as tree:
+        proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--config", str(config)], cwd=tree,
+                                env={**os.environ, "PYTHONPATH": str(tree)}, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+        try:
+            wait_ready(url + "/ready")
+            yield proc
+        finally:
+            proc.terminate()
+            proc.wait(10)
 
 
 @contextmanager

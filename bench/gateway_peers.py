@@ -14,7 +14,10 @@ pinned alone to the last core (`taskset`). For each gateway, in rounds that go t
   - CPU per SSE event, 5 ms apart: streams of 64 events paced like tokens, 64 connections.
 Medians over rounds; every figure also as a ratio to the vLLM router's in the same run.
 
-    python -m bench.gateway_peers [--install] [--rounds 3] [--seconds 5] [--save]
+    python -m bench.gateway_peers [--install] [--rounds 3] [--seconds 5] [--baseline REV] [--save]
+
+--baseline REV adds this gateway as it was at git revision REV, from a temporary worktree: a change's A/B on the
+same rig in the same run.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from typing import Any
 import aiohttp
 import psutil
 
-from bench.common import RESULTS, markdown_table
+from bench.common import RESULTS, markdown_table, worktree
 from bench.gateway_overhead import ROOT, cpu_seconds, free_port, pct, wrk
 
 PEERS_DIR = ROOT / "runs" / "peers"
@@ -134,10 +137,13 @@ def answer_ok(url: str) -> bool:
 
 
 @contextmanager
-def started(argv: list[str], url: str, log: Path, timeout_s: float = 60) -> Iterator[psutil.Process]:
-    """The command running (its own process group) and answering completions at `url`."""
+def started(argv: list[str], url: str, log: Path, timeout_s: float = 60, cwd: Path = ROOT
+            ) -> Iterator[psutil.Process]:
+    """The command running in `cwd` (its own process group) and answering completions at `url`."""
+    env = {**os.environ, "PYTHONPATH": str(cwd)}  # the tree's own gateway, not the installed one
     with log.open("wb") as out:
-        proc = subprocess.Popen(argv, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
     try:
         deadline = time.monotonic() + timeout_s
         while not answer_ok(url):
@@ -217,6 +223,12 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                                                load_cores), url, workdir / f"replica-{i}.log"))
             replicas.append(url)
         running = {}
+        if args.baseline:  # this gateway as it was at that revision, on the same rig
+            tree = stack.enter_context(worktree(args.baseline))
+            port = free_port()
+            url = f"http://127.0.0.1:{port}"
+            running[f"this gateway at {args.baseline}"] = (url, stack.enter_context(started(
+                pinned(_ours(port, replicas, workdir), gateway_core), url, workdir / "baseline.log", cwd=tree)))
         for gateway in GATEWAYS:
             if not gateway.installed():
                 print(f"bench: {gateway.name} is not installed (--install): left out", file=sys.stderr)
@@ -247,7 +259,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
 def report(result: dict[str, Any]) -> str:
     figures = result["figures"]
-    names = [g.name for g in GATEWAYS if g.name in figures[P50]]
+    names = [n for n in figures[P50] if n != "direct"]
     columns = [*SCENARIOS, P50]
     rows = []
     for name in names:
@@ -271,6 +283,7 @@ def main() -> None:
     parser.add_argument("--install", action="store_true", help="install the peers (PyPI) and nginx, wrk (apt)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--seconds", type=float, default=5)
+    parser.add_argument("--baseline", metavar="REV", help="also this gateway as it was at git revision REV (A/B)")
     parser.add_argument("--save", action="store_true", help="write docs/bench/gateway_overhead.md and "
                         "docs/bench/gateway_peers.json")
     args = parser.parse_args()
