@@ -158,11 +158,43 @@ def loadtest(args: Sequence[str], out: Path, timeout_s: float) -> dict[str, Any]
 
 @dataclass(frozen=True)
 class Side:
-    """One side's replicas and its gateways, one per policy."""
+    """One side's replicas and its gateways, one per policy; `pids`: the replicas' processes (each a tree)."""
 
     name: str
     replicas: tuple[str, ...]
     gateways: dict[str, str]
+    pids: tuple[int, ...] = ()
+
+
+def cpu_snapshot(pids: Sequence[int]) -> tuple[float, list[float], list[float]]:
+    """(now, each core's busy seconds, each process tree's CPU seconds): where the machine's time went in a run."""
+    import psutil
+
+    cores = [sum(t) - t.idle - t.iowait for t in psutil.cpu_times(percpu=True)]
+    trees = []
+    for pid in pids:
+        total = 0.0
+        try:
+            for proc in (psutil.Process(pid), *psutil.Process(pid).children(recursive=True)):
+                try:
+                    times = proc.cpu_times()
+                    total += times.user + times.system
+                except psutil.NoSuchProcess:
+                    continue
+        except psutil.NoSuchProcess:
+            total = math.nan
+        trees.append(total)
+    return time.monotonic(), cores, trees
+
+
+def cpu_use(before: tuple[float, list[float], list[float]], after: tuple[float, list[float], list[float]]
+            ) -> dict[str, Any]:
+    """Each core's busy share, each replica's CPU in cores, and what the rest (gateway, load, others) took."""
+    wall = after[0] - before[0]
+    cores = [(a - b) / wall for a, b in zip(after[1], before[1])]
+    replicas = [(a - b) / wall for a, b in zip(after[2], before[2])]
+    return {"cores_busy": cores, "replicas": replicas, "rest": sum(cores) - sum(r for r in replicas
+                                                                               if not math.isnan(r))}
 
 
 def gateway_configs(base: dict[str, Any], replicas: Sequence[str], policies: Sequence[str], port: int,
@@ -181,7 +213,7 @@ def gateway_configs(base: dict[str, Any], replicas: Sequence[str], policies: Seq
 
 @contextmanager
 def gateways(stack_dir: Path, base: dict[str, Any], side: str, replicas: Sequence[str],
-             policies: Sequence[str], port: int) -> Iterator[Side]:
+             policies: Sequence[str], port: int, pids: Sequence[int] = ()) -> Iterator[Side]:
     with ExitStack() as stack:
         urls = {}
         for policy, path in gateway_configs(base, replicas, policies, port, stack_dir).items():
@@ -190,7 +222,7 @@ def gateways(stack_dir: Path, base: dict[str, Any], side: str, replicas: Sequenc
             stack.enter_context(process([python(), "-m", "gateway.cli", "serve", "--config", str(path),
                                          "--host", "127.0.0.1"], log, url + "/ready", 60))
             urls[policy] = url
-        yield Side(side, tuple(replicas), urls)
+        yield Side(side, tuple(replicas), urls, tuple(pids))
 
 
 def capacity(gateway: str, workload: str, tokenizer: str, out: Path, requests: int = 320) -> float:
@@ -205,9 +237,11 @@ def run_point(run: Run, side: Side, rate: float, duration: float, tokenizer: str
     arrival = ["--arrival", "poisson"] if run.arrival == "poisson" else ["--arrival", "gamma", "--burstiness", "0.25"]
     shape = CHAT if run.workload == "chat" else WORKLOADS[run.workload]
     before = prefix_counters(side.replicas)
+    cpu_before = cpu_snapshot(side.pids)
     summary = loadtest(["--host", side.gateways[run.policy], *shape, *arrival, "--rate", f"{rate:.4f}",
                         "--duration", f"{duration:g}", "--seed", str(run.seed), "--prompt-salt", str(salt),
                         "--tokenizer", tokenizer], out, duration + 600)
+    cpu = cpu_use(cpu_before, cpu_snapshot(side.pids))  # the load generator's start and end included
     after = prefix_counters(side.replicas)
     queries = after[1] - before[1]
     records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines() if line]
@@ -218,7 +252,7 @@ def run_point(run: Run, side: Side, rate: float, duration: float, tokenizer: str
             "ttft_s": [r["ttft_s"] for r in ok if r.get("ttft_s") is not None],
             "tpot_s": [(r["end_s"] - r["sent_s"] - r["ttft_s"]) / (r["output_tokens"] - 1) for r in ok
                        if r.get("ttft_s") is not None and (r.get("output_tokens") or 0) > 1],
-            "e2e_s": [r["end_s"] - r["sent_s"] for r in ok]}
+            "e2e_s": [r["end_s"] - r["sent_s"] for r in ok], "cpu": cpu}
 
 
 @dataclass(frozen=True)
@@ -304,14 +338,16 @@ def measure(setup: Setup) -> None:
             meta["replica_model"] = str(model_path)
             meta_path.write_text(json.dumps(meta, indent=1))
         sim_urls = [f"http://127.0.0.1:{sim_port + i}" for i in range(setup.replicas)]
-        stack.enter_context(process([python(), "-m", "sim.cli", "serve", "--config", meta["replica_model"],
-                                     "--replicas", str(setup.replicas), "--port", str(sim_port)],
-                                    out / "sim.log", sim_urls[-1] + "/health", 60))
+        sim = stack.enter_context(process([python(), "-m", "sim.cli", "serve", "--config", meta["replica_model"],
+                                           "--replicas", str(setup.replicas), "--port", str(sim_port)],
+                                          out / "sim.log", sim_urls[-1] + "/health", 60))
         sides = {"real": real, "sim": sim_urls}
+        pids = {"real": [r["pid"] for r in json.loads((run_dir / "state.json").read_text())["replicas"]],
+                "sim": [sim.pid]}  # the sim side's replicas are one process
         policies = tuple(dict.fromkeys(setup.policies + setup.chat_policies))
         for side_name, urls in sides.items():
             port = gw_port + (100 if side_name == "real" else 200)
-            with gateways(out, base, side_name, urls, policies, port) as side:
+            with gateways(out, base, side_name, urls, policies, port, pids[side_name]) as side:
                 for workload in setup.workloads:
                     key = f"capacity_{side_name}_{workload}"
                     if key not in meta:
@@ -379,7 +415,8 @@ def report(out: Path, meta: dict[str, Any]) -> str:
              "```", meta.get("calibration", "").strip(), "```", ""]
     head = ["point", "policy", "seeds", "requests real/sim", "TTFT p50 real", "sim", "err", "TTFT p99 real", "sim",
             "err", "TPOT p50 real", "sim", "err", "E2E p50 real", "sim", "err", "hit rate real", "sim"]
-    body, errors = [], {"ttft_p50": [], "ttft_p99": [], "tpot_p50": [], "e2e_p50": []}
+    body: list[list[object]] = []
+    errors: dict[str, list[float]] = {"ttft_p50": [], "ttft_p99": [], "tpot_p50": [], "e2e_p50": []}
     same_order = total_points = 0
     for point in real:
         if point not in sim:
@@ -437,7 +474,29 @@ def report(out: Path, meta: dict[str, Any]) -> str:
                               for p, v in by.items()]
     lines += [markdown_table(["side", "point", "policy", "hit rate", "points vs sticky", "later turns on the same "
                               "replica", "TTFT p99", "seeds", "failed"], chat_rows), ""]
+    lines += cpu_table(rows)
     return "\n".join(lines)
+
+
+def cpu_table(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """Where each side's CPU went per point (medians over seeds and policies): the machine's two cores are shared
+    by the replicas, the gateways and the load generator, which is not so on a GPU."""
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for r in rows:
+        if r.get("cpu"):
+            groups.setdefault((r["side"], f"{r['workload']}/{r['arrival']}/{r['load']:g}"), []).append(r["cpu"])
+    if not groups:
+        return []
+    med = np.median
+    lines = ["", "## Where the CPU went (cores in use, medians over seeds and policies)", "",
+             "| side | point | machine busy | replicas | rest: gateway, load generator, others |",
+             "|---:|---:|---:|---:|---:|"]
+    for (side, point), cpus in sorted(groups.items()):
+        busy = med([sum(c["cores_busy"]) for c in cpus])
+        replicas = med([sum(c["replicas"]) for c in cpus])
+        lines.append(f"| {side} | {point} | {busy:.2f} of {len(cpus[0]['cores_busy'])} | {replicas:.2f} | "
+                     f"{med([c['rest'] for c in cpus]):.2f} |")
+    return lines
 
 
 def plot(table: dict[str, dict[str, Any]], paths: Sequence[Path]) -> None:

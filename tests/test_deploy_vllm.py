@@ -300,6 +300,10 @@ def test_the_simulator_against_these_replicas_quick(deployment: Deployment, tmp_
     assert {(r["side"], r["policy"]) for r in rows} == {(s, p) for s in ("real", "sim")
                                                         for p in ("prefix_affinity", "round_robin")}
     assert all(r["failed"] == 0 and r["completed"] > 10 for r in rows)
+    # where the CPU went: two cores, each replica's process tree using part of one
+    assert all(len(r["cpu"]["cores_busy"]) == os.cpu_count() and 0 < sum(r["cpu"]["replicas"]) for r in rows), \
+        [(r["side"], r["policy"], r["cpu"]) for r in rows]
+    assert "Where the CPU went" in (out / "report.md").read_text()
     by = {(r["side"], r["policy"]): r for r in rows}
     for policy in ("prefix_affinity", "round_robin"):
         for metric in ("ttft_s", "tpot_s", "e2e_s"):
