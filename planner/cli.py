@@ -41,8 +41,12 @@ def _bca_config(args: argparse.Namespace) -> BcaConfig:
 
 def _plan_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("plan", help="choose B*, memory per replica and replica count; write plan.yaml",
-                       description="Plan a deployment from a profile directory or a reference-format CSV.")
-    p.add_argument("--profile", required=True, type=Path, help="directory from `planner profile`, or a CSV")
+                       description="Plan a deployment from a profile directory or a reference-format CSV; or, "
+                                   "with --models, several models with their own traffic on one device.")
+    target = p.add_mutually_exclusive_group(required=True)
+    target.add_argument("--profile", type=Path, help="directory from `planner profile`, or a CSV")
+    target.add_argument("--models", type=Path, help="several models on one device: a YAML file of models, each "
+                        "with its profile (or synthetic:NAME), traffic and goal (docs/multimodel.md)")
     p.add_argument("--out", type=Path, default=Path("plan.yaml"), help="the plan to write (default plan.yaml)")
     _add_choice_flags(p)
     p.add_argument("--model", help="model to serve (default: the profile's); synthetic:NAME for a shipped "
@@ -76,6 +80,8 @@ def _run_plan(args: argparse.Namespace) -> int:
     from planner.planning import PlanConfig, make_plan, write_plan
     from planner.sources import load_profile
 
+    if args.models is not None:
+        return _run_multi_plan(args)
     config = PlanConfig(
         choice=_choice_config(args),
         bca=_bca_config(args),
@@ -95,6 +101,22 @@ def _run_plan(args: argparse.Namespace) -> int:
     print(f"wrote {args.out}")
     if args.plots is not None:
         _draw(profile, args.plots, config.choice, config.bca)
+    return 0
+
+
+def _run_multi_plan(args: argparse.Namespace) -> int:
+    from planner.multimodel import load_spec
+    from planner.multiplan import make_multi_plan
+    from planner.planning import write_plan
+
+    result = make_multi_plan(load_spec(args.models))
+    write_plan(result.plan, args.out)
+    print(result.plan.reasoning["summary"])
+    baselines = result.plan.reasoning["multimodel"]["baselines"]
+    print(f"least headroom: packed {result.packing.min_headroom:.2f} x, equal split "
+          f"{baselines['equal_split']['min_headroom']:.2f} x, one replica each at the default share "
+          f"{baselines['one_replica_each']['min_headroom']:.2f} x (predicted)")
+    print(f"wrote {args.out}")
     return 0
 
 
