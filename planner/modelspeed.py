@@ -31,7 +31,10 @@ class RawPoint:
     capacity_rps: float
     base_ttft_ms: float
     tpot_ms: float | None
-    device_s: float = 0.0  # device-seconds per request (0: not shared)
+    device_s: float = 0.0  # device-seconds per request besides its share of the step's fixed part (0: not shared)
+    step_device_s: float = 0.0  # a step's fixed device time (the weights' read)
+    steps: int = 1
+    step_s: float = 0.0
 
 
 def measured_points(profile: Profile, request: ModelRequest) -> list[RawPoint]:
@@ -70,13 +73,15 @@ def synthetic_points(request: ModelRequest, gpu_name: str) -> list[RawPoint]:
     except (ValueError, FileNotFoundError) as exc:
         raise PlannerError(f"model {request.name!r}: profile {request.profile!r}: {exc}") from None
     steps = StepTimeModel(model, gpu)
+    fixed = steps.device_s(0, 0, 0, 0)  # a step over no tokens: reading the weights
     prompt, output = request.traffic.input_tokens, request.traffic.output_tokens
     points = []
     for batch in SYNTHETIC_BATCHES:
         if output == 0:  # an embedding model: B prompts in one pass
             device = steps.device_s(batch * prompt, batch, 0, batch * prompt * prompt / 2)
             pass_s = device + steps.host_s(batch)
-            points.append(RawPoint(batch, batch / pass_s, 1000 * 2 * pass_s, None, device / batch))
+            points.append(RawPoint(batch, batch / pass_s, 1000 * 2 * pass_s, None, (device - fixed) / batch, fixed,
+                                   1, pass_s))
             continue
         prefill_device = steps.device_s(prompt, 1, 0, prompt * prompt / 2)
         decode_device = steps.decode_s(batch, prompt + output / 2)
@@ -84,9 +89,11 @@ def synthetic_points(request: ModelRequest, gpu_name: str) -> list[RawPoint]:
         cycle_s = output * decode_s + batch * prefill_s  # one request's life: its decode steps, every prefill in it
         ttft_s = decode_s + 2 * prefill_s  # wait for the running step, then its prefill behind another arrival's
         tpot_s = decode_s + batch * prefill_s / output
-        # The device's time per request: host work overlaps across replicas on one GPU, device work does not.
-        device_s = output * decode_device / batch + prefill_device
-        points.append(RawPoint(batch, batch / cycle_s, 1000 * ttft_s, 1000 * tpot_s, device_s))
+        # The device's time per request: host work overlaps across replicas on one GPU, device work does not;
+        # a step's weight read is shared by the requests in it (how many: `SpeedPoint.device_per_request`).
+        per_request = prefill_device + output * (decode_device - fixed) / batch
+        points.append(RawPoint(batch, batch / cycle_s, 1000 * ttft_s, 1000 * tpot_s, per_request, fixed, output,
+                               tpot_s))
     return points
 
 
@@ -130,5 +137,5 @@ def speed_points(request: ModelRequest, spec: MultiSpec, profile: Profile | None
     gpu = spec.device == "gpu"  # CPU replicas are pinned to their own cores: no compute shared
     return tuple(SpeedPoint(p.batch_size, p.capacity_rps, p.base_ttft_ms,
                             replica_bytes(request, spec, source, p.batch_size)[0], p.tpot_ms,
-                            p.device_s if gpu else 0.0)
+                            p.device_s if gpu else 0.0, p.step_device_s if gpu else 0.0, p.steps, p.step_s)
                  for p in raw if math.isfinite(p.capacity_rps) and p.capacity_rps > 0)

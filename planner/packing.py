@@ -54,7 +54,18 @@ class SpeedPoint:
     base_ttft_ms: float  # p99 time to first token with the batch full (no queueing in front of vLLM)
     replica_bytes: int  # one replica's memory slice at this cap
     tpot_ms: float | None = None  # p99 (else mean) time per output token at this cap
-    device_s: float = 0.0  # device-seconds one request costs at this cap (0: replicas do not share compute)
+    device_s: float = 0.0  # device-seconds one request costs at this cap, besides its share of `step_device_s`
+    step_device_s: float = 0.0  # device-seconds of one step whatever its batch (reading the weights)
+    steps: int = 1  # steps per request: its output tokens (an embedding: one pass)
+    step_s: float = 0.0  # one step's wall time at this cap (for how full the batch runs at a given rate)
+
+    def device_per_request(self, replicas: int, rate: float) -> float:
+        """Device-seconds per request at `rate` over `replicas`: a step's fixed cost is shared by the requests
+        in it, about rate / replicas x their time in the replica (Little), at most the cap."""
+        if self.step_device_s <= 0:
+            return self.device_s
+        batch = min(self.batch_size, max(1.0, rate / replicas * self.steps * self.step_s))
+        return self.device_s + self.steps * self.step_device_s / batch
 
 
 @dataclass(frozen=True)
@@ -84,6 +95,7 @@ class Option:
     point: SpeedPoint
     headroom: float  # how many times its traffic it carries within its goal
     p99_ttft_ms: float  # predicted at the stated traffic (inf: it cannot keep up)
+    device_s: float = 0.0  # device-seconds per request at the stated traffic
 
     @property
     def memory_bytes(self) -> int:
@@ -142,8 +154,8 @@ def options(demand: Demand) -> list[Option]:
         for replicas in range(1, demand.max_replicas + 1):
             room = headroom(point, replicas, demand.rate, demand.goal)
             if room > 0:
-                found.append(Option(demand.name, replicas, point, room,
-                                    p99_ttft_ms(point, replicas, demand.rate)))
+                found.append(Option(demand.name, replicas, point, room, p99_ttft_ms(point, replicas, demand.rate),
+                                    point.device_per_request(replicas, demand.rate)))
     return sorted(found, key=lambda o: (o.memory_bytes, -o.headroom))
 
 
@@ -167,7 +179,7 @@ class Packing:
 
 def device_load(chosen: Sequence[Option], rates: dict[str, float]) -> float:
     """The share of the device's time the stated traffic needs with these options."""
-    return sum(rates[o.name] * o.point.device_s for o in chosen)
+    return sum(rates[o.name] * o.device_s for o in chosen)
 
 
 def _select(demands: Sequence[Demand], table: dict[str, list[Option]], level: float, budget: int,
@@ -180,7 +192,7 @@ def _select(demands: Sequence[Demand], table: dict[str, list[Option]], level: fl
     eligible = [[o for o in table[d.name] if o.headroom >= level] for d in demands]
     if not all(eligible):
         return None
-    picked = [min(choices, key=lambda o: (o.memory_bytes, o.point.device_s)) for choices in eligible]
+    picked = [min(choices, key=lambda o: (o.memory_bytes, o.device_s)) for choices in eligible]
     while True:
         used = sum(o.memory_bytes for o in picked)
         if used > budget:
@@ -191,7 +203,7 @@ def _select(demands: Sequence[Demand], table: dict[str, list[Option]], level: fl
         for i, choices in enumerate(eligible):
             now = picked[i]
             for o in choices:
-                saved = rates[o.name] * (now.point.device_s - o.point.device_s)
+                saved = rates[o.name] * (now.device_s - o.device_s)
                 extra = o.memory_bytes - now.memory_bytes
                 if saved > 0 and used + extra <= budget:
                     worth = saved / max(extra, 1)
@@ -288,11 +300,11 @@ def _short_message(demands: Sequence[Demand], table: dict[str, list[Option]], bu
         return (f"the device cannot carry every model at its traffic and goal: they need {_gib(total)} GiB "
                 f"({parts}) but {_gib(budget)} GiB are usable, {_gib(total - budget)} GiB short; the largest need "
                 f"is {largest.name!r}." + tail)
-    fastest = [min((o for o in table[d.name] if o.headroom >= 1), key=lambda o: o.point.device_s) for d in demands]
+    fastest = [min((o for o in table[d.name] if o.headroom >= 1), key=lambda o: o.device_s) for d in demands]
     load = device_load(fastest, rates)
-    parts = ", ".join(f"{o.name} {rates[o.name] * o.point.device_s:.2f}" for o in
-                      sorted(fastest, key=lambda o: -rates[o.name] * o.point.device_s))
-    largest = max(fastest, key=lambda o: rates[o.name] * o.point.device_s)
+    parts = ", ".join(f"{o.name} {rates[o.name] * o.device_s:.2f}" for o in
+                      sorted(fastest, key=lambda o: -rates[o.name] * o.device_s))
+    largest = max(fastest, key=lambda o: rates[o.name] * o.device_s)
     return (f"the device's compute cannot carry every model at its traffic: the traffic needs at least {load:.2f} x "
             f"the device's time ({parts}), {load - 1:.2f} x too much" if load > 1 else
             "memory and the device's time do not both fit at once") + \
