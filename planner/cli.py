@@ -13,7 +13,7 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from deploy.plan import PlanError
+from deploy.plan import Plan, PlanError
 from gateway.config import DEFAULT_POLICY, POLICY_NAMES
 from deploy.process import ProcessError
 from planner.choice import BcaConfig, ChoiceConfig, Slo
@@ -243,6 +243,12 @@ def _validate_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
     p.add_argument("--startup-timeout", type=float, default=900.0, help="seconds a replica may take to start")
     p.add_argument("--warmup", type=int, default=2, help="warm-up requests before each count (2)")
     p.add_argument("--plots", type=Path, help="draw throughput and latency against replica count here")
+    p.add_argument("--duration", type=float, default=60.0,
+                   help="multi-model plans: seconds of mixed traffic per arrangement (60)")
+    p.add_argument("--scale", type=float, default=1.0,
+                   help="multi-model plans: the planned rates times this (1.0)")
+    p.add_argument("--arrangements", help="multi-model plans: which to measure, comma-separated "
+                   "(default packed,equal_split,one_replica_each)")
     _add_workload_flags(p, defaults=None)
     p.set_defaults(run=_run_validate)
 
@@ -254,6 +260,8 @@ def _run_validate(args: argparse.Namespace) -> int:
     from planner.validate import SubprocessDeployer, ValidateConfig, Validator
 
     plan = load(args.plan)
+    if plan.models:
+        return _run_multi_validate(args, plan)
     config = ValidateConfig(counts=args.counts or tuple(range(1, len(plan.replicas) + 1)),
                             num_requests=args.num_requests, min_gain=args.min_gain, warmup_requests=args.warmup,
                             timeouts=Timeouts(request_s=args.request_timeout))
@@ -269,6 +277,23 @@ def _run_validate(args: argparse.Namespace) -> int:
     if args.plots is not None:
         from planner.plots import plot_replicas
         print(f"wrote {plot_replicas(results, best, args.plots / 'replicas.png')}")
+    return 0
+
+
+def _run_multi_validate(args: argparse.Namespace, plan: Plan) -> int:
+    from planner.multivalidate import ARRANGEMENTS, MultiValidateConfig, MultiValidator
+    from planner.planning import write_plan
+    from planner.validate import SubprocessDeployer
+
+    arrangements = tuple(a for a in (args.arrangements or ",".join(ARRANGEMENTS)).split(",") if a)
+    config = MultiValidateConfig(duration_s=args.duration, scale=args.scale, arrangements=arrangements,
+                                 timeouts=Timeouts(request_s=args.request_timeout))
+    run_dir = args.run_dir or args.plan.resolve().parent / "validate-run"
+    deployer = SubprocessDeployer(run_dir=run_dir, startup_timeout_s=args.startup_timeout)
+    validated = MultiValidator(plan, config, deployer).run()
+    out = args.out or args.plan
+    write_plan(validated, out)
+    print(f"best: {validated.validation['best']}; wrote {out}")
     return 0
 
 
