@@ -137,9 +137,9 @@ def recorded_traffic(path: Path, where: str) -> Traffic:
         raise PlannerError(f"{where}: cannot read load file {str(path)!r}: {exc.strerror}") from exc
     except json.JSONDecodeError as exc:
         raise PlannerError(f"{where}: load file {str(path)!r} is not JSON lines: {exc}") from exc
-    times = [r.get("scheduled_s") if r.get("scheduled_s") is not None else r.get("sent_s") for r in lines
-             if isinstance(r, dict)]
-    times = [t for t in times if isinstance(t, (int, float))]
+    raw = [r.get("scheduled_s") if r.get("scheduled_s") is not None else r.get("sent_s") for r in lines
+           if isinstance(r, dict)]
+    times: list[float] = [float(t) for t in raw if isinstance(t, (int, float))]
     if len(times) < 2 or max(times) <= min(times):
         raise PlannerError(f"{where}: load file {str(path)!r} needs two or more requests with send times")
     prompts = [r.get("prompt_tokens") or r.get("requested_prompt_tokens") or 0 for r in lines]

@@ -66,10 +66,10 @@ def arrangement(plan: Plan, name: str) -> Plan:
         template = plan.replicas_of(entry.name)[0]
         for k in range(count):
             port = next(ports)
-            memory = {"gpu_memory_utilization": math.floor(share / count * 10_000) / 10_000} if usable else {}
+            fraction = math.floor(share / count * 10_000) / 10_000 if usable else None
             replicas.append(replace(template, name=f"{template.name.rsplit('-r', 1)[0]}-r{k}", port=port,
                                     max_num_seqs=batch, admission=replace(template.admission, max_requests=batch),
-                                    **memory))
+                                    gpu_memory_utilization=fraction))
     return replace(plan, replicas=tuple(replicas), validation={})
 
 
@@ -118,7 +118,8 @@ async def drive(url: str, models: tuple[ModelEntry, ...], config: MultiValidateC
 
 
 def _arrivals(rng: random.Random, rate: float, duration_s: float) -> list[float]:
-    times, t = [], 0.0
+    times: list[float] = []
+    t = 0.0
     while True:
         t += rng.expovariate(rate)
         if t >= duration_s:

@@ -244,7 +244,7 @@ def _spend_leftover(chosen: list[Option], table: dict[str, list[Option]], budget
                     rates: dict[str, float]) -> list[Option]:
     """Upgrade the model with the least headroom while memory is left and the device's time allows; a model that
     cannot grow is set aside."""
-    chosen, fixed = list(chosen), set()
+    chosen, fixed = list(chosen), set[str]()
     while len(fixed) < len(chosen):
         i = min((k for k in range(len(chosen)) if chosen[k].name not in fixed), key=lambda k: chosen[k].headroom)
         current = chosen[i]

@@ -9,6 +9,7 @@ one sampled token (vLLM's pooling pass has no decode). Pure apart from the virtu
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -90,7 +91,8 @@ def simulate(loads: Sequence[ModelLoad], gpu: GpuSpec, duration_s: float = 60.0,
     for index, load in enumerate(loads):
         ttfts = np.array([firsts.get(rid, np.inf) - t for rid, (i, t) in sent.items() if i == index])
         met = int(np.sum(ttfts <= load.ttft_goal_s))
-        p99 = float(np.percentile(ttfts, 99)) if len(ttfts) else 0.0
+        ordered = np.sort(ttfts)  # unfinished requests are inf: the nearest-rank p99, no interpolation with inf
+        p99 = float(ordered[max(0, math.ceil(0.99 * len(ordered)) - 1)]) if len(ordered) else 0.0
         results.append(ModelResult(load.name, len(ttfts), p99, met / len(ttfts) if len(ttfts) else 1.0,
                                    met / duration_s))
     return results
