@@ -14,7 +14,7 @@ import asyncio
 import math
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -23,8 +23,9 @@ import aiohttp
 from deploy.plan import ModelEntry, Plan, ReplicaSpec
 from planner.client import RequestResult, Timeouts, stream_completion
 from planner.errors import PlannerError, RunError
+from planner.multiplan import facts_source
 from planner.validate import Deployer
-from planner.workload import ApproximatePrompts, RequestSpec
+from planner.workload import ApproximatePrompts, PromptBuilder, RequestSpec, prompt_builder
 
 ARRANGEMENTS = ("packed", "equal_split", "one_replica_each")
 
@@ -88,16 +89,19 @@ async def _embed(session: aiohttp.ClientSession, url: str, model: str, text: str
     return RequestResult(start, end, ttft_s=end - start)
 
 
-async def drive(url: str, models: tuple[ModelEntry, ...], config: MultiValidateConfig) -> dict[str, list[RequestResult]]:
-    """Every model's Poisson arrivals at its planned rate x scale, for the duration; each request's result."""
-    prompts = ApproximatePrompts()
+async def drive(url: str, models: tuple[ModelEntry, ...], config: MultiValidateConfig,
+                builders: Mapping[str, PromptBuilder] | None = None) -> dict[str, list[RequestResult]]:
+    """Every model's Poisson arrivals at its planned rate x scale, for the duration; each request's result.
+
+    Prompts are built with each model's tokenizer where `builders` has one (exact lengths), else approximated."""
+    approximate = ApproximatePrompts()
     rng = random.Random(config.seed)
     results: dict[str, list[RequestResult]] = {m.name: [] for m in models}
     tasks: list[asyncio.Task[None]] = []
     async with aiohttp.ClientSession() as session:
         async def one(entry: ModelEntry, index: int) -> None:
             traffic = entry.traffic
-            text = prompts.build(int(traffic.get("input_tokens") or 16), index)
+            text = (builders or {}).get(entry.name, approximate).build(int(traffic.get("input_tokens") or 16), index)
             if entry.kind == "embed":
                 result = await _embed(session, url, entry.name, text, config.timeouts)
             else:
@@ -154,6 +158,8 @@ class MultiValidator:
             raise PlannerError("not a multi-model plan (no models: section)")
         self.plan, self.config, self.deployer, self.out = plan, config, deployer, out
         self.layouts = {name: arrangement(plan, name) for name in config.arrangements}  # fail before deploying
+        self.builders = {m.name: prompt_builder(facts_source(plan.replicas_of(m.name)[0].model), None)
+                         for m in plan.models}
 
     def run(self) -> Plan:
         measured = {}
@@ -161,7 +167,7 @@ class MultiValidator:
             self.out(f"{name}: deploying {len(layout.replicas)} replica(s), then {self.config.duration_s:g} s of "
                      f"mixed traffic at {self.config.scale:g} x the planned rates")
             with self.deployer.deploy(layout, name) as url:
-                results = asyncio.run(drive(url, layout.models, self.config))
+                results = asyncio.run(drive(url, layout.models, self.config, self.builders))
             row = score(layout.models, results, self.config.duration_s)
             row["replicas"] = {m.name: [(r.max_num_seqs, r.gpu_memory_utilization or r.cpu_kvcache_space_gib)
                                         for r in layout.replicas_of(m.name)] for m in layout.models}

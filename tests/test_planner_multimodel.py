@@ -232,3 +232,20 @@ def test_cli_writes_the_plan_and_reports_errors_with_exit_2(tmp_path: Path,
     assert main(["plan", "--models", str(tmp_path / "bad.yaml"), "--out", str(tmp_path / "bad-plan.yaml")]) == 2
     assert "model 'embed' cannot meet" in capsys.readouterr().err
     assert not (tmp_path / "bad-plan.yaml").exists()
+
+
+def test_a_measured_gpu_profile_needs_its_models_facts_and_a_usable_ttft() -> None:
+    """A hub id with no config at hand: the facts to give are named; a profile whose TTFT misses every goal too."""
+    spec = {"gpu": "H100-64", "slo": {"p99_ttft_ms": 2000}, "models": [
+        {"name": "opt", "model": "facebook/opt-1.3b", "profile": str(DATA / "bca-opt-1.3b-h100-single.csv"),
+         "traffic": {"rate": 10, "input_tokens": 512, "output_tokens": 256}}]}
+    with pytest.raises(PlannerError, match=r"model 'opt': cannot size its memory: give weights_gib and "
+                                           r"kv_bytes_per_token"):
+        make_multi_plan(spec_from_dict(spec))
+    spec["models"][0].update(weights_gib=2.45, kv_bytes_per_token=196608)
+    with pytest.raises(PackingError, match=r"model 'opt' cannot meet p99 TTFT 2000 ms at any batch cap: its lowest "
+                                           r"p99 TTFT with the batch full is 13841 ms"):
+        make_multi_plan(spec_from_dict(spec))
+    spec["slo"] = {}
+    plan = make_multi_plan(spec_from_dict(spec)).plan  # no TTFT goal: sized to keep up with the traffic
+    assert plan.replicas and plan.reasoning["multimodel"]["min_headroom"] >= 1

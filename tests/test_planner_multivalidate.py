@@ -82,7 +82,8 @@ def test_the_validator_deploys_each_arrangement_and_writes_the_comparison(plan: 
             deployed.append(label)
             yield "http://127.0.0.1:9"
 
-    async def fake_drive(url: str, models: object, config: MultiValidateConfig) -> dict[str, list[RequestResult]]:
+    async def fake_drive(url: str, models: object, config: MultiValidateConfig,
+                         builders: object = None) -> dict[str, list[RequestResult]]:
         fast = RequestResult(0.0, 1.0, ttft_s=0.01 if deployed[-1] == "packed" else 10.0)
         return {m.name: [fast] for m in plan.models}
 
