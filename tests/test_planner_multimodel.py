@@ -249,3 +249,12 @@ def test_a_measured_gpu_profile_needs_its_models_facts_and_a_usable_ttft() -> No
     spec["slo"] = {}
     plan = make_multi_plan(spec_from_dict(spec)).plan  # no TTFT goal: sized to keep up with the traffic
     assert plan.replicas and plan.reasoning["multimodel"]["min_headroom"] >= 1
+
+
+@pytest.mark.parametrize("name, replicas", [("models-cpu.yaml", 2), ("models-h100.yaml", 7)])
+def test_the_documented_examples_plan(name: str, replicas: int) -> None:
+    """docs/examples/*.yaml plan as docs/multimodel.md shows (paths relative to the file)."""
+    from planner.multimodel import load_spec
+
+    plan = make_multi_plan(load_spec(Path(__file__).resolve().parent.parent / "docs" / "examples" / name)).plan
+    assert len(plan.replicas) == replicas and plan.reasoning["multimodel"]["min_headroom"] >= 1
