@@ -24,6 +24,7 @@ GPU_MAX_NUM_SEQS = 128
 GPU_MEMORY_TOTAL = 0.9  # the share of the GPU all replicas together may take
 QUEUE_SIZE = 1024
 QUEUE_WAIT_S = 60.0
+POOLING_FLAGS = ("--runner", "pooling")  # an embedding model: vLLM's pooling runner (vLLM 0.10+)
 
 
 @dataclass(frozen=True)
@@ -81,9 +82,13 @@ def with_models(plan: Plan, resolved: Mapping[str, ResolvedModel], gpu: bool = F
     """The plan with each replica's model replaced by what vLLM loads (a local path for the tiny and synthetic
     models) and the flags that model needs on this device."""
     replicas = []
+    embed = {m.name for m in plan.models if m.kind == "embed"}
     for spec in plan.replicas:
         model = resolved[spec.model]
-        extra = (*spec.extra_args, *missing_flags(model.vllm_flags(gpu), spec.extra_args))
+        needed = model.vllm_flags(gpu)
+        if (spec.served_model_name or spec.model) in embed:
+            needed = (POOLING_FLAGS, *needed)
+        extra = (*spec.extra_args, *missing_flags(needed, spec.extra_args))
         if spec.max_model_len is None and model.default_max_model_len is not None \
                 and "--max-model-len" not in flag_names(extra):
             spec = replace(spec, max_model_len=model.default_max_model_len)
@@ -163,11 +168,28 @@ def gateway_config(plan: Plan, *, host: str = "0.0.0.0", replica_host: str = "12
         "health": {"interval_s": 1.0, "timeout_s": 2.0}, "log_level": log_level,
         "workers": plan.gateway.workers,
     }
+    models = model_settings(plan)
+    if models:
+        config["models"] = models
     if tokenizers:
         config["tokenizers"] = dict(tokenizers)
     if admin_key:
         config["admin_key"] = admin_key
     return config
+
+
+def model_settings(plan: Plan) -> dict[str, dict[str, Any]]:
+    """Each model's own gateway settings (its policy, its queue), for the models of a multi-model plan."""
+    settings: dict[str, dict[str, Any]] = {}
+    for entry in plan.models:
+        item: dict[str, Any] = {}
+        if entry.policy is not None:
+            item["policy"] = entry.policy
+        if entry.queue_size is not None:
+            item["queue"] = {"max_size": entry.queue_size,
+                             "max_wait_s": entry.queue_wait_s or plan.gateway.queue_wait_s}
+        settings[entry.name] = item
+    return settings
 
 
 def local_tokenizers(plan: Plan) -> dict[str, str]:

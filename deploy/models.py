@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from deploy.tinyembed import TINY_EMBED_NAME, ensure_tiny_embedding_model
 from deploy.tinymodel import TINY_MODEL_NAME, ensure_tiny_model
 from synthetic import catalog
 
@@ -93,6 +94,13 @@ def tiny(requested: str, reason: str | None, tiny_dir: Path | None) -> ResolvedM
                          flags=TINY_MODEL_ARGS, default_max_model_len=2048)
 
 
+def tiny_embed(requested: str) -> ResolvedModel:
+    """The tiny BERT embedding model (made locally), served by vLLM's pooling runner."""
+    path = ensure_tiny_embedding_model()
+    return ResolvedModel(requested, str(path), TINY_EMBED_NAME, offline=True,
+                         flags=(("--runner", "pooling"), *TINY_MODEL_ARGS), default_max_model_len=512)
+
+
 def synthetic(requested: str, cache: Path | None = None) -> ResolvedModel:
     """`synthetic:NAME`: the architecture's real config and a local tokenizer, served with random weights."""
     from synthetic.build import ensure_synthetic_model
@@ -113,6 +121,8 @@ def resolve(model: str, *, tiny_dir: Path | None = None, timeout_s: float = 5.0,
     """Resolve `model` to what vLLM loads; the tiny model stands in when the hub cannot be reached."""
     if model in TINY_ALIASES:
         return tiny(model, None, tiny_dir)
+    if model == TINY_EMBED_NAME:
+        return tiny_embed(model)
     if catalog.is_synthetic(model):
         return synthetic(model)
     if looks_like_path(model):

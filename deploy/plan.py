@@ -15,8 +15,15 @@
         admission: {max_requests: 256, max_outstanding_tokens: null}
         served_model_name: null           # optional: the name clients ask for (default: model)
         speed: {step_s: {1: 0.0036, 256: 0.031}, prefill_tokens_s: 200000}   # optional: measured, for the gateway
+    models:                               # optional: several models on one device (docs/multimodel.md)
+      - {name: facebook/opt-1.3b, kind: generate, policy: prefix_affinity, queue_size: 1024, queue_wait_s: 30,
+         traffic: {rate: 20, input_tokens: 512, output_tokens: 128}, slo: {p99_ttft_ms: 500}}
     reasoning: {...}                      # free-form: B*, the rule, the numbers it came from
     validation: {...}                     # free-form: what `planner validate` measured
+
+A plan without `models:` serves one model (or whatever models its replicas name, with the gateway's settings);
+with it, each entry names a model its replicas serve (by `served_model_name`, else `model`) and that model's own
+gateway settings.
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ from typing import Any
 
 import yaml
 
-from gateway.config import DEFAULT_POLICY
+from gateway.config import DEFAULT_POLICY, POLICY_NAMES
 from gateway.speed import Speed, SpeedError
 
 
@@ -95,6 +102,34 @@ class GatewaySpec:
             raise PlanError(f"gateway workers must be a positive integer, got {self.workers!r}")
 
 
+MODEL_KINDS = ("generate", "embed")
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    """One model of a multi-model plan: what clients call it, its kind, its gateway settings, what it was sized for."""
+
+    name: str
+    kind: str = "generate"  # generate | embed (vLLM's pooling runner)
+    policy: str | None = None  # None: the gateway's
+    queue_size: int | None = None  # None: the gateway's shared queue
+    queue_wait_s: float | None = None
+    traffic: dict[str, Any] = field(default_factory=dict)  # free-form: what the planner sized it for
+    slo: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise PlanError(f"a model entry needs a name, got {self.name!r}")
+        if self.kind not in MODEL_KINDS:
+            raise PlanError(f"model {self.name!r} kind must be one of {', '.join(MODEL_KINDS)}, got {self.kind!r}")
+        if self.policy is not None and self.policy not in POLICY_NAMES:
+            raise PlanError(f"model {self.name!r} policy {self.policy!r} is not one of {', '.join(POLICY_NAMES)}")
+        if self.queue_size is not None and (not isinstance(self.queue_size, int) or self.queue_size < 0):
+            raise PlanError(f"model {self.name!r} queue_size must be an integer >= 0, got {self.queue_size!r}")
+        if self.queue_wait_s is not None and not self.queue_wait_s > 0:
+            raise PlanError(f"model {self.name!r} queue_wait_s must be positive, got {self.queue_wait_s!r}")
+
+
 US_PER_EVENT = 21.0  # the gateway's CPU per relayed SSE event, one event per read (issue #11, measured)
 WORKER_BUSY = 0.5  # plan each worker for at most half a core of relaying: headroom for bursts and parsing
 
@@ -113,6 +148,7 @@ class Plan:
     gateway: GatewaySpec = field(default_factory=GatewaySpec)
     reasoning: dict[str, Any] = field(default_factory=dict)
     validation: dict[str, Any] = field(default_factory=dict)
+    models: tuple[ModelEntry, ...] = ()  # several models: each one's kind and gateway settings (empty: one model)
 
     def __post_init__(self) -> None:
         if not self.replicas:
@@ -120,13 +156,33 @@ class Plan:
         ports = [r.port for r in self.replicas] + [self.gateway.port]
         if len(set(ports)) != len(ports):
             raise PlanError(f"ports collide in the plan: {ports}")
+        names = [m.name for m in self.models]
+        if len(set(names)) != len(names):
+            raise PlanError(f"models are listed twice: {sorted(n for n in set(names) if names.count(n) > 1)}")
+        served = {served_name(r) for r in self.replicas}
+        for name in names:
+            if name not in served:
+                raise PlanError(f"model {name!r} has no replica in the plan (replicas serve {sorted(served)})")
+
+    def replicas_of(self, name: str) -> tuple[ReplicaSpec, ...]:
+        """The replicas that serve the model clients call `name`."""
+        return tuple(r for r in self.replicas if served_name(r) == name)
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
         for replica in data["replicas"]:
             replica["extra_args"] = list(replica["extra_args"])
         data["replicas"] = list(data["replicas"])
+        if self.models:
+            data["models"] = list(data["models"])
+        else:
+            del data["models"]  # a one-model plan reads as it always did
         return data
+
+
+def served_name(spec: ReplicaSpec) -> str:
+    """The name clients ask a replica for."""
+    return spec.served_model_name or spec.model
 
 
 def _replica(data: Any, index: int) -> ReplicaSpec:
@@ -142,6 +198,15 @@ def _replica(data: Any, index: int) -> ReplicaSpec:
         raise PlanError(f"replicas[{index}]: {exc}") from exc
 
 
+def _model_entry(data: Any, index: int) -> ModelEntry:
+    if not isinstance(data, dict):
+        raise PlanError(f"models[{index}] must be a mapping")
+    try:
+        return ModelEntry(**data)
+    except TypeError as exc:
+        raise PlanError(f"models[{index}]: {exc}") from exc
+
+
 def from_dict(data: Any) -> Plan:
     """Build a plan from a parsed YAML mapping, naming any bad key or value."""
     if not isinstance(data, dict) or "replicas" not in data or "model" not in data:
@@ -153,6 +218,7 @@ def from_dict(data: Any) -> Plan:
             gateway=GatewaySpec(**(data.get("gateway") or {})),
             reasoning=dict(data.get("reasoning") or {}),
             validation=dict(data.get("validation") or {}),
+            models=tuple(_model_entry(m, i) for i, m in enumerate(data.get("models") or [])),
         )
     except TypeError as exc:
         raise PlanError(f"plan: {exc}") from exc

@@ -215,9 +215,10 @@ def run(config: UpConfig, cancel: CancelToken) -> None:
 def print_ready(config: UpConfig, url: str) -> None:
     """Tell the user where the deployment answers and how to call it."""
     models = sorted({s.served_model_name or s.model for s in config.plan.replicas})
-    model = models[0]
+    model = next((m.name for m in config.plan.models if m.kind == "generate"), models[0])
+    served = f"\n  models:  {', '.join(models)} (each request goes to its `model`'s replicas)" if len(models) > 1 else ""
     print(f"""
-deploy: {len(config.plan.replicas)} replica(s) of {config.model_label} ({config.hardware.device}) behind the gateway at {url}
+deploy: {len(config.plan.replicas)} replica(s) of {config.model_label} ({config.hardware.device}) behind the gateway at {url}{served}
   status:  deploy status --run-dir {config.run_dir}
   curl:    curl {url}/v1/completions -H 'Content-Type: application/json' \\
              -d '{{"model": "{model}", "prompt": "Hello", "max_tokens": 16}}'

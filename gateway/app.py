@@ -64,7 +64,12 @@ class Gateway:
         self.tracing: Tracing | None = None
         # the admission queue's bound is the gateway's: each worker holds its share
         queue = replace(config.queue, max_size=math.ceil(config.queue.max_size / config.workers))
-        self.router = Router(make_policy(config.policy, rng), queue)
+        models = config.model_map()
+        self.router = Router(
+            make_policy(config.policy, rng), queue,
+            model_policies={name: make_policy(m.policy, rng) for name, m in models.items() if m.policy},
+            model_queues={name: replace(m.queue, max_size=math.ceil(m.queue.max_size / config.workers))
+                          for name, m in models.items() if m.queue is not None})
         own = table is None
         self.table = table if table is not None else LoadTable.create(rows=2)
         self.row = row

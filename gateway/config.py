@@ -36,6 +36,9 @@ YAML (every key optional; flags given on the command line win over the file):
       protocol: http/protobuf             # or grpc
       sampling_ratio: 1.0                 # of new traces; a client's sampled flag is followed
       service_name: smallserve-gateway
+    models:                               # per-model settings (several models behind one gateway; docs/multimodel.md)
+      chat: {policy: prefix_affinity, queue: {max_size: 512, max_wait_s: 30}}
+      embed: {policy: least_outstanding_tokens}   # what a model leaves out is the gateway's setting
 """
 
 from __future__ import annotations
@@ -273,6 +276,20 @@ def workers_value(value: object) -> int:
 
 
 @dataclass(frozen=True)
+class ModelConfig:
+    """One model's own routing settings, where they differ from the gateway's (None: the gateway's)."""
+
+    policy: str | None = None
+    queue: QueueConfig | None = None
+
+    def __post_init__(self) -> None:
+        if self.policy is not None and self.policy not in POLICY_NAMES:
+            raise ConfigError(f"models: policy {self.policy!r} is not one of {', '.join(POLICY_NAMES)}")
+        if self.queue is not None and not isinstance(self.queue, QueueConfig):
+            object.__setattr__(self, "queue", _build(QueueConfig, "models: queue", self.queue))
+
+
+@dataclass(frozen=True)
 class GatewayConfig:
     """Everything the gateway needs to run."""
 
@@ -296,6 +313,7 @@ class GatewayConfig:
     admin_key: str | None = None
     log_level: str = "info"
     tracing: TracingConfig = field(default_factory=TracingConfig)
+    models: tuple[tuple[str, ModelConfig], ...] = ()  # model name -> its own settings
 
     def __post_init__(self) -> None:
         if not self.replicas and not self.discovery:
@@ -328,6 +346,9 @@ class GatewayConfig:
     def tokenizer_map(self) -> dict[str, str]:
         return dict(self.tokenizers)
 
+    def model_map(self) -> dict[str, ModelConfig]:
+        return dict(self.models)
+
 
 _SECTIONS = {"timeouts": Timeouts, "health": HealthConfig, "retry": RetryConfig, "queue": QueueConfig,
              "feedback": FeedbackConfig, "clients": ClientConfig, "tracing": TracingConfig}
@@ -352,6 +373,18 @@ def _replica(item: Any) -> ReplicaConfig:
     return _build(ReplicaConfig, "replicas[]", item)  # type: ignore[no-any-return]
 
 
+def _models(data: Any) -> tuple[tuple[str, ModelConfig], ...]:
+    if not isinstance(data, dict):
+        raise ConfigError("models must map model names to their settings ({policy, queue})")
+    items = []
+    for name, settings in data.items():
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"models: a model name must be a non-empty string, got {name!r}")
+        items.append((name, settings if isinstance(settings, ModelConfig) else
+                      _build(ModelConfig, f"models: {name}", settings or {})))
+    return tuple(items)
+
+
 def from_mapping(data: dict[str, Any]) -> GatewayConfig:
     """Build a config from a parsed YAML mapping, naming any bad key or value."""
     if not isinstance(data, dict):
@@ -372,6 +405,8 @@ def from_mapping(data: dict[str, Any]) -> GatewayConfig:
         if not isinstance(data["tokenizers"], dict):
             raise ConfigError("tokenizers must map model names to tokenizer paths")
         data["tokenizers"] = tuple((str(k), str(v)) for k, v in data["tokenizers"].items())
+    if "models" in data:
+        data["models"] = _models(data["models"])
     if "workers" in data:
         data["workers"] = workers_value(data["workers"])
     if "api_keys" in data:
@@ -385,6 +420,7 @@ def to_mapping(config: GatewayConfig) -> dict[str, Any]:
     """The config as plain data that `from_mapping` reads back (how the supervisor hands it to its workers)."""
     data = asdict(config)
     data["tokenizers"] = dict(config.tokenizers)
+    data["models"] = {name: asdict(model) for name, model in config.models}
     for key in ("replicas", "discovery", "api_keys"):
         data[key] = list(data[key])
     for item, replica in zip(data["replicas"], config.replicas):

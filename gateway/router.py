@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import math
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from .config import QueueConfig, ReplicaConfig
@@ -35,9 +35,15 @@ class _Waiter:
 class Router:
     """The replica pool, the routing policy, and the admission queue."""
 
-    def __init__(self, policy: Policy, queue: QueueConfig, replicas: Iterable[ReplicaConfig] = ()) -> None:
+    def __init__(self, policy: Policy, queue: QueueConfig, replicas: Iterable[ReplicaConfig] = (), *,
+                 model_policies: Mapping[str, Policy] | None = None,
+                 model_queues: Mapping[str, QueueConfig] | None = None) -> None:
         self.policy = policy
         self.queue = queue
+        # Several models behind one gateway: a model may have its own policy and its own queue bound and wait,
+        # so one model's burst cannot fill the queue that another model's requests wait in.
+        self.model_policies = dict(model_policies or {})
+        self.model_queues = dict(model_queues or {})
         self.replicas: dict[str, Replica] = {}
         self._waiters: deque[_Waiter] = deque()
         self._poll: asyncio.TimerHandle | None = None
@@ -98,7 +104,7 @@ class Router:
         open_ = [r for r in candidates if r.has_room(cost)]
         if not open_:
             return None
-        return Lease(self.policy.pick(open_, info), info, self.wake)
+        return Lease(self.model_policies.get(info.model, self.policy).pick(open_, info), info, self.wake)
 
     def lease_now(self, info: RequestInfo, exclude: frozenset[str] = frozenset()) -> Lease | None:
         """A lease at once when nobody is queued and a replica has room (the common case; no coroutine), else None."""
@@ -111,8 +117,13 @@ class Router:
             return lease
         if self._waiters and not self._candidates(info, exclude):
             raise self._no_candidate(info, exclude)
-        if len(self._waiters) >= self.queue.max_size:
-            reason = "every replica is at its cap" + (" and the queue is full" if self.queue.max_size else "")
+        queue = self.model_queues.get(info.model)
+        if queue is None:
+            queue, waiting = self.queue, len(self._waiters)
+        else:
+            waiting = sum(1 for w in self._waiters if w.info.model == info.model)
+        if waiting >= queue.max_size:
+            reason = "every replica is at its cap" + (" and the queue is full" if queue.max_size else "")
             raise GatewayError(429, f"{reason}; retry later", code="rate_limit_exceeded",
                                headers={"Retry-After": "1"})
         waiter = _Waiter(info, exclude, asyncio.get_running_loop().create_future())
@@ -120,15 +131,15 @@ class Router:
         self.wake()  # a replica may have room for it already (the queue's head waits for another model)
         self._poll_soon()
         try:
-            await asyncio.wait((waiter.future,), timeout=self.queue.max_wait_s)
+            await asyncio.wait((waiter.future,), timeout=queue.max_wait_s)
         except asyncio.CancelledError:
             self._abandon(waiter)
             raise
         if waiter.future.done():
             return waiter.future.result()  # a lease, or the GatewayError _wake set
         self._abandon(waiter)
-        raise GatewayError(429, f"waited {self.queue.max_wait_s:g} s in the admission queue; retry later",
-                           code="rate_limit_exceeded", headers={"Retry-After": str(math.ceil(self.queue.max_wait_s))})
+        raise GatewayError(429, f"waited {queue.max_wait_s:g} s in the admission queue; retry later",
+                           code="rate_limit_exceeded", headers={"Retry-After": str(math.ceil(queue.max_wait_s))})
 
     def _abandon(self, waiter: _Waiter) -> None:
         """The waiter gave up: leave the queue, or give back a lease that reached it meanwhile."""

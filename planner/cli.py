@@ -13,7 +13,7 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from deploy.plan import PlanError
+from deploy.plan import Plan, PlanError
 from gateway.config import DEFAULT_POLICY, POLICY_NAMES
 from deploy.process import ProcessError
 from planner.choice import BcaConfig, ChoiceConfig, Slo
@@ -41,8 +41,12 @@ def _bca_config(args: argparse.Namespace) -> BcaConfig:
 
 def _plan_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("plan", help="choose B*, memory per replica and replica count; write plan.yaml",
-                       description="Plan a deployment from a profile directory or a reference-format CSV.")
-    p.add_argument("--profile", required=True, type=Path, help="directory from `planner profile`, or a CSV")
+                       description="Plan a deployment from a profile directory or a reference-format CSV; or, "
+                                   "with --models, several models with their own traffic on one device.")
+    target = p.add_mutually_exclusive_group(required=True)
+    target.add_argument("--profile", type=Path, help="directory from `planner profile`, or a CSV")
+    target.add_argument("--models", type=Path, help="several models on one device: a YAML file of models, each "
+                        "with its profile (or synthetic:NAME), traffic and goal (docs/multimodel.md)")
     p.add_argument("--out", type=Path, default=Path("plan.yaml"), help="the plan to write (default plan.yaml)")
     _add_choice_flags(p)
     p.add_argument("--model", help="model to serve (default: the profile's); synthetic:NAME for a shipped "
@@ -76,6 +80,8 @@ def _run_plan(args: argparse.Namespace) -> int:
     from planner.planning import PlanConfig, make_plan, write_plan
     from planner.sources import load_profile
 
+    if args.models is not None:
+        return _run_multi_plan(args)
     config = PlanConfig(
         choice=_choice_config(args),
         bca=_bca_config(args),
@@ -95,6 +101,22 @@ def _run_plan(args: argparse.Namespace) -> int:
     print(f"wrote {args.out}")
     if args.plots is not None:
         _draw(profile, args.plots, config.choice, config.bca)
+    return 0
+
+
+def _run_multi_plan(args: argparse.Namespace) -> int:
+    from planner.multimodel import load_spec
+    from planner.multiplan import make_multi_plan
+    from planner.planning import write_plan
+
+    result = make_multi_plan(load_spec(args.models))
+    write_plan(result.plan, args.out)
+    print(result.plan.reasoning["summary"])
+    baselines = result.plan.reasoning["multimodel"]["baselines"]
+    print(f"least headroom: packed {result.packing.min_headroom:.2f} x, equal split "
+          f"{baselines['equal_split']['min_headroom']:.2f} x, one replica each at the default share "
+          f"{baselines['one_replica_each']['min_headroom']:.2f} x (predicted)")
+    print(f"wrote {args.out}")
     return 0
 
 
@@ -221,6 +243,12 @@ def _validate_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
     p.add_argument("--startup-timeout", type=float, default=900.0, help="seconds a replica may take to start")
     p.add_argument("--warmup", type=int, default=2, help="warm-up requests before each count (2)")
     p.add_argument("--plots", type=Path, help="draw throughput and latency against replica count here")
+    p.add_argument("--duration", type=float, default=60.0,
+                   help="multi-model plans: seconds of mixed traffic per arrangement (60)")
+    p.add_argument("--scale", type=float, default=1.0,
+                   help="multi-model plans: the planned rates times this (1.0)")
+    p.add_argument("--arrangements", help="multi-model plans: which to measure, comma-separated "
+                   "(default packed,equal_split,one_replica_each)")
     _add_workload_flags(p, defaults=None)
     p.set_defaults(run=_run_validate)
 
@@ -232,6 +260,8 @@ def _run_validate(args: argparse.Namespace) -> int:
     from planner.validate import SubprocessDeployer, ValidateConfig, Validator
 
     plan = load(args.plan)
+    if plan.models:
+        return _run_multi_validate(args, plan)
     config = ValidateConfig(counts=args.counts or tuple(range(1, len(plan.replicas) + 1)),
                             num_requests=args.num_requests, min_gain=args.min_gain, warmup_requests=args.warmup,
                             timeouts=Timeouts(request_s=args.request_timeout))
@@ -247,6 +277,23 @@ def _run_validate(args: argparse.Namespace) -> int:
     if args.plots is not None:
         from planner.plots import plot_replicas
         print(f"wrote {plot_replicas(results, best, args.plots / 'replicas.png')}")
+    return 0
+
+
+def _run_multi_validate(args: argparse.Namespace, plan: Plan) -> int:
+    from planner.multivalidate import ARRANGEMENTS, MultiValidateConfig, MultiValidator
+    from planner.planning import write_plan
+    from planner.validate import SubprocessDeployer
+
+    arrangements = tuple(a for a in (args.arrangements or ",".join(ARRANGEMENTS)).split(",") if a)
+    config = MultiValidateConfig(duration_s=args.duration, scale=args.scale, arrangements=arrangements,
+                                 timeouts=Timeouts(request_s=args.request_timeout))
+    run_dir = args.run_dir or args.plan.resolve().parent / "validate-run"
+    deployer = SubprocessDeployer(run_dir=run_dir, startup_timeout_s=args.startup_timeout)
+    validated = MultiValidator(plan, config, deployer).run()
+    out = args.out or args.plan
+    write_plan(validated, out)
+    print(f"best: {validated.validation['best']}; wrote {out}")
     return 0
 
 
