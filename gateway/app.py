@@ -231,6 +231,10 @@ class Gateway:
         for replica in self.router.healthy():
             for model_id in sorted(replica.models):
                 cards.setdefault(model_id, replica.cards.get(model_id) or {"id": model_id, "object": "model"})
+        if self.adapters is not None:  # registered adapters are served, loaded or not
+            for spec in self.adapters.registry.values():
+                cards.setdefault(spec.name, {"id": spec.name, "object": "model", "owned_by": "smallserve",
+                                             "root": spec.name, "parent": spec.base})
         return _json({"object": "list", "data": list(cards.values())})
 
     async def _health(self, request: Request, responder: Responder, request_id: str) -> Response:

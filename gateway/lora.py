@@ -292,9 +292,9 @@ class AdapterRouter:
                     raise AdapterError(f"all {self.config.max_loras} adapter slots of {url} are busy")
                 await asyncio.sleep(WAIT_POLL_S)
                 continue
-            at = time.time()
+            # no longer a holder from here on, before any await: no request of this worker can pick it meanwhile
+            self.holdings.set_held(url, victim, False, time.time())
             await self._api.unload(url, victim)
-            self.holdings.set_held(url, victim, False, at)
             self._unloads.labels(url, victim).inc()
             logger.info("unloaded adapter %s from %s (least recently used)", victim, url)
             listed.discard(victim)

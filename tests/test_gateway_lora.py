@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 import aiohttp
@@ -56,6 +57,16 @@ async def test_concurrent_requests_cause_one_load_and_get_the_adapter(fake_repli
     assert {body["model"] for _, body, _ in answers} == {"a1"}
     assert loads(fake) == ["a1"]
     assert fake.stats.adapters == {"a1": "/adapters/a1"}  # the registered path, never the client's string
+
+
+async def test_models_lists_the_registered_adapters(fake_replica: FakeFactory, gateway_for: GatewayFactory) -> None:
+    """/v1/models lists the base model and every registered adapter, loaded or not; never the adapter's path."""
+    fake = await fake_replica()
+    gw = await gateway_for([fake.url], lora=lora())
+    async with aiohttp.ClientSession() as session, session.get(gw.base_url + "/models") as resp:
+        body = await resp.json()
+    assert {m["id"] for m in body["data"]} == {"fake-model", *ADAPTERS}
+    assert "/adapters/" not in json.dumps(body)
 
 
 async def test_least_recently_used_adapter_is_unloaded_first(fake_replica: FakeFactory,
