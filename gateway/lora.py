@@ -59,8 +59,8 @@ class AdapterApi(Protocol):
         """The adapters the replica holds now (its /v1/models entries with a parent)."""
         ...
 
-    async def load(self, url: str, name: str, path: str) -> None:
-        """Load the adapter (done already counts as done)."""
+    async def load(self, url: str, name: str, path: str) -> bool:
+        """Load the adapter: True, or False when it was loaded already (by another worker or gateway)."""
         ...
 
     async def unload(self, url: str, name: str) -> None:
@@ -86,10 +86,13 @@ class VllmAdapterApi:
             raise AdapterError(f"{url}/v1/models did not answer a model list")
         return {m["id"] for m in body["data"] if isinstance(m, dict) and isinstance(m.get("id"), str) and m.get("parent")}
 
-    async def load(self, url: str, name: str, path: str) -> None:
+    async def load(self, url: str, name: str, path: str) -> bool:
         status, text = await self._post(f"{url}/v1/load_lora_adapter", {"lora_name": name, "lora_path": path})
-        if status != 200 and not (status == 400 and "already been loaded" in text):
+        if status == 400 and "already been loaded" in text:
+            return False
+        if status != 200:
             raise AdapterError(f"replica {url} could not load adapter {name!r}: {status} {text[:300]}")
+        return True
 
     async def unload(self, url: str, name: str) -> None:
         status, text = await self._post(f"{url}/v1/unload_lora_adapter", {"lora_name": name})
@@ -299,8 +302,10 @@ class AdapterRouter:
             logger.info("unloaded adapter %s from %s (least recently used)", victim, url)
             listed.discard(victim)
         started = loop.time()
-        await asyncio.wait_for(self._api.load(url, spec.name, spec.path), max(0.001, deadline - started))
+        loaded = await asyncio.wait_for(self._api.load(url, spec.name, spec.path), max(0.001, deadline - started))
         self.holdings.set_held(url, spec.name, True, time.time())
+        if not loaded:
+            return
         self._loads.labels(url, spec.name).inc()
         took = loop.time() - started
         self.load_s = (1 - LOAD_S_WEIGHT) * self.load_s + LOAD_S_WEIGHT * took

@@ -14,6 +14,7 @@ from gateway.lora import SharedHoldings
 from gateway.metrics import CounterStore
 from gateway.table import LoadTable
 from tests.conftest import Fake, FakeFactory, GatewayFactory, GatewayUnderTest
+from tests.test_gateway_workers import ServeFactory, serve  # noqa: F401 (the fixture)
 
 ADAPTERS = {f"a{i}": f"/adapters/a{i}" for i in range(4)}
 
@@ -208,6 +209,36 @@ async def test_loads_and_unloads_are_counted_in_metrics(fake_replica: FakeFactor
             metrics = await resp.text()
     assert f'gateway_lora_loads_total{{adapter="a0",replica="{fake.url}"}} 2.0' in metrics
     assert f'gateway_lora_unloads_total{{adapter="a1",replica="{fake.url}"}} 1.0' in metrics
+
+
+async def test_two_workers_load_once_and_never_unload_under_each_other(fake_replica: FakeFactory,
+                                                                        serve: ServeFactory) -> None:  # noqa: F811
+    """`gateway serve --workers 2`: 16 concurrent requests for one adapter on fresh connections (both workers take
+    some) cause one load; while a0 streams through one worker, loads of a1 and a2 through either never unload it."""
+    fake = await fake_replica(itl_s=0.02, lora_load_s=0.2)
+    gw = await serve([fake.url], workers=2, lora=lora(max_loras=2))
+    body = {"model": "a1", "prompt": "hi", "max_tokens": 2}
+
+    async def one(session: aiohttp.ClientSession, model: str) -> tuple[int, str]:
+        async with session.post(gw.url + "/v1/completions", json={**body, "model": model},
+                                headers={"Connection": "close"}) as resp:
+            await resp.read()
+            return resp.status, resp.headers.get("x-gateway-worker", "")
+
+    async with aiohttp.ClientSession() as session:
+        answers = await asyncio.gather(*(one(session, "a1") for _ in range(16)))
+        assert {status for status, _ in answers} == {200} and len({w for _, w in answers}) == 2
+        assert loads(fake) == ["a1"]
+        stream = {**body, "model": "a0", "max_tokens": 150, "stream": True}
+        async with session.post(gw.url + "/v1/completions", json=stream) as long:
+            await long.content.readline()
+            for model in ("a2", "a1", "a2", "a1"):
+                assert (await one(session, model))[0] == 200
+                assert "a0" in fake.stats.adapters
+            await long.read()
+    assert ("unload", "a0") not in fake.stats.lora_events and fake.stats.max_adapters <= 2
+    metrics = await gw.metrics()
+    assert metrics[f"gateway_lora_loads_total{{adapter=a1}}{{replica={fake.url}}}"] >= 1
 
 
 def test_holdings_are_shared_between_worker_rows() -> None:
