@@ -15,7 +15,9 @@ whose `model` is a registered adapter goes through `AdapterRouter.acquire` inste
 - concurrent requests for an adapter being loaded on a replica wait for that one load (single flight), up to
   `load_timeout_s`; a failed load answers each of them 502 naming the adapter, a slow one 504.
 
-What each replica holds is shared by every worker process, like the metrics: each worker writes cells of its
+Loads and unloads on one replica take its lock file (`ReplicaLocks`, in the temporary directory): one process at a
+time counts the replica's adapters (a fresh `/v1/models`), unloads and loads, so `max_loras` holds across workers
+and across gateways on one machine. What each replica holds is shared by every worker process, like the metrics: each worker writes cells of its
 own row only (`lora_held`: +time loaded, -time unloaded, the latest event wins; `lora_inflight`; `lora_used`)
 and reads the sum or the latest over all rows. It is learned from the gateway's own loads and unloads and from
 each replica's `/v1/models` (vLLM lists loaded adapters with their `parent`), read every `sync_s` and before
@@ -25,9 +27,15 @@ every load; a load or unload that vLLM says was already done (another worker, an
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import fcntl
+import hashlib
 import logging
+import os
+import tempfile
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
+from pathlib import Path
 from typing import Protocol
 
 import aiohttp
@@ -155,6 +163,34 @@ class SharedHoldings:
         return max(self._reader.values(self._regions(), ("lora_used", url, name)), default=0.0)
 
 
+class ReplicaLocks:
+    """A lock file per replica: its adapters are counted, unloaded and loaded by one process at a time (every
+    worker and every gateway on this machine), so two workers cannot both fill its last slot."""
+
+    def __init__(self, directory: Path | None = None) -> None:
+        self._dir = directory or Path(tempfile.gettempdir()) / "smallserve-lora-locks"
+
+    @contextlib.asynccontextmanager
+    async def hold(self, url: str, deadline: float) -> AsyncIterator[None]:
+        """Hold the replica's lock (polling: flock has no timeout); TimeoutError past `deadline`."""
+        self._dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fd = os.open(self._dir / f"{hashlib.sha256(url.encode()).hexdigest()[:24]}.lock", os.O_RDWR | os.O_CREAT,
+                     0o600)
+        try:
+            loop = asyncio.get_running_loop()
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if loop.time() >= deadline:
+                        raise TimeoutError(f"another process held the adapter lock of {url} too long") from None
+                    await asyncio.sleep(WAIT_POLL_S)
+            yield
+        finally:
+            os.close(fd)  # releases the lock
+
+
 class AdapterLease(Lease):
     """A lease that also counts a request in flight on its adapter (so it is never unloaded under it)."""
 
@@ -177,7 +213,7 @@ class AdapterRouter:
     """Places requests for registered adapters (see the module docstring); one per worker process."""
 
     def __init__(self, config: LoraConfig, router: Router, policy: Policy, api: AdapterApi,
-                 holdings: SharedHoldings, store: CounterStore) -> None:
+                 holdings: SharedHoldings, store: CounterStore, locks: ReplicaLocks | None = None) -> None:
         self.config = config
         self.registry = config.registry()
         self._router = router
@@ -189,6 +225,7 @@ class AdapterRouter:
         self._failures = LabelledCounter(store, "lora_load_failures")
         self._flights: dict[tuple[str, str], asyncio.Future[None]] = {}
         self._replica_locks: dict[str, asyncio.Lock] = {}
+        self._file_locks = locks or ReplicaLocks()
         self._tasks: set[asyncio.Task[None]] = set()
         self.load_s = LOAD_S_INITIAL
 
@@ -266,13 +303,14 @@ class AdapterRouter:
         url = replica.url
         try:
             lock = self._replica_locks.setdefault(url, asyncio.Lock())
-            async with lock:  # one change at a time per replica in this worker: slots are counted, then used
+            async with lock, self._file_locks.hold(url, deadline):  # slots are counted, then used: one at a time
                 await self._make_room_and_load(url, spec, deadline)
-        except (AdapterError, TimeoutError) as exc:
+        except (AdapterError, TimeoutError, OSError) as exc:
             self._failures.labels(url, spec.name).inc()
             logger.warning("loading adapter %s on %s failed: %s", spec.name, url, exc)
             if not flight.done():
                 flight.set_exception(exc if isinstance(exc, AdapterError) else AdapterError(str(exc) or "timed out"))
+                # (OSError: the lock file could not be opened, e.g. no descriptor left)
                 flight.exception()  # retrieved: waiters that timed out already do not warn about it
         else:
             if not flight.done():

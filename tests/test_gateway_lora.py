@@ -214,7 +214,8 @@ async def test_loads_and_unloads_are_counted_in_metrics(fake_replica: FakeFactor
 async def test_two_workers_load_once_and_never_unload_under_each_other(fake_replica: FakeFactory,
                                                                         serve: ServeFactory) -> None:  # noqa: F811
     """`gateway serve --workers 2`: 16 concurrent requests for one adapter on fresh connections (both workers take
-    some) cause one load; while a0 streams through one worker, loads of a1 and a2 through either never unload it."""
+    some) cause one load; while a0 streams through one worker, loads of a1 and a2 through either never unload it;
+    requests for four adapters at once through both never put more than max_loras on the replica."""
     fake = await fake_replica(itl_s=0.02, lora_load_s=0.2)
     gw = await serve([fake.url], workers=2, lora=lora(max_loras=2))
     body = {"model": "a1", "prompt": "hi", "max_tokens": 2}
@@ -236,7 +237,11 @@ async def test_two_workers_load_once_and_never_unload_under_each_other(fake_repl
                 assert (await one(session, model))[0] == 200
                 assert "a0" in fake.stats.adapters
             await long.read()
-    assert ("unload", "a0") not in fake.stats.lora_events and fake.stats.max_adapters <= 2
+        assert ("unload", "a0") not in fake.stats.lora_events
+        # four adapters at once through both workers: the replica never holds more than max_loras
+        mixed = await asyncio.gather(*(one(session, f"a{i % 4}") for i in range(16)))
+        assert {status for status, _ in mixed} == {200}
+    assert fake.stats.max_adapters <= 2
     metrics = await gw.metrics()
     assert metrics[f"gateway_lora_loads_total{{adapter=a1}}{{replica={fake.url}}}"] >= 1
 
