@@ -192,7 +192,8 @@ class ReplicaLocks:
 
 
 class AdapterLease(Lease):
-    """A lease that also counts a request in flight on its adapter (so it is never unloaded under it)."""
+    """A lease that also holds its request's count in flight on its adapter (taken when the replica was chosen,
+    so the adapter is never unloaded under it), given back on release."""
 
     __slots__ = ("_holdings", "_adapter", "_counted")
 
@@ -200,7 +201,6 @@ class AdapterLease(Lease):
                  holdings: SharedHoldings) -> None:
         super().__init__(replica, info, on_release)
         self._holdings, self._adapter, self._counted = holdings, info.model, True
-        holdings.add_inflight(replica.url, info.model, 1)
 
     def release(self) -> None:
         if self._counted:
@@ -267,14 +267,27 @@ class AdapterRouter:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.config.load_timeout_s
         replica = self.choose(spec, info, exclude)
-        if not self.holdings.held(replica.url, spec.name):
-            await self.ensure(replica, spec, deadline)
+        # In flight from the choice on (no await in between): a request waiting for its adapter's load, or for room,
+        # keeps the adapter from being unloaded meanwhile (by this worker or another); the lease takes it over.
+        self.holdings.add_inflight(replica.url, spec.name, 1)
+        try:
+            if not self.holdings.held(replica.url, spec.name):
+                await self.ensure(replica, spec, deadline)
+            await self._room(replica, info, spec)
+        except BaseException:
+            self.holdings.add_inflight(replica.url, spec.name, -1)
+            raise
+        return AdapterLease(replica, info, self._router.wake, self.holdings)
+
+    async def _room(self, replica: Replica, info: RequestInfo, spec: AdapterSpec) -> None:
+        """Wait for room on the replica: its admission caps still hold, as the admission queue would wait."""
+        loop = asyncio.get_running_loop()
         cost = info.prompt_tokens + info.max_tokens
         queue_deadline = loop.time() + self._router.queue.max_wait_s
-        while True:  # the replica's admission caps still hold: wait for room there, as the admission queue would
+        while True:
             replica.refresh()
             if replica.has_room(cost):
-                return AdapterLease(replica, info, self._router.wake, self.holdings)
+                return
             if not replica.healthy or self._router.queue.max_size == 0 or loop.time() >= queue_deadline:
                 raise GatewayError(429, f"the replica holding adapter `{spec.name}` is at its cap; retry later",
                                    code="rate_limit_exceeded", headers={"Retry-After": "1"})

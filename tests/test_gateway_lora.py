@@ -100,6 +100,19 @@ async def test_an_adapter_with_requests_in_flight_is_never_unloaded(fake_replica
     assert ("unload", "a1") in fake.stats.lora_events and ("unload", "a0") not in fake.stats.lora_events
 
 
+async def test_a_just_loaded_adapter_is_not_unloaded_under_its_waiting_requests(
+        fake_replica: FakeFactory, gateway_for: GatewayFactory) -> None:
+    """Three adapters at once into two slots, slow loads: every answer is 200 and names its adapter, and the
+    replica never holds more than two (requests count as in flight from the moment their replica is chosen)."""
+    fake = await fake_replica(lora_load_s=0.1, itl_s=0.01)
+    gw = await gateway_for([fake.url], lora=lora(max_loras=2))
+    models = [f"a{i % 3}" for i in range(18)]
+    async with aiohttp.ClientSession() as session:
+        answers = await asyncio.gather(*(complete(session, gw, m, max_tokens=4) for m in models))
+    assert [(status, body["model"]) for status, body, _ in answers] == [(200, m) for m in models]
+    assert fake.stats.max_adapters <= 2
+
+
 async def test_every_slot_busy_waits_then_fails_clearly(fake_replica: FakeFactory,
                                                         gateway_for: GatewayFactory) -> None:
     """max_loras 1 with its adapter streaming: a request for another waits, bounded, and gets a 502 naming it."""
