@@ -19,7 +19,13 @@ Admission queue off: replicas uncapped, every request goes to a replica at once 
 there. On: each replica capped at 64 in-flight requests (its batch cap) in the gateway, whose FIFO queue
 (`Router.acquire`) holds the rest. Percentiles pool every request of `--seeds` seeds (default 3).
 
+LoRA adapters (`--lora`): the same node, the `mixed` workload under Poisson arrivals, each request naming one of
+16 adapters by Zipf popularity (s = 1), each replica holding 4 at once and a load taking 0.2 s (sim/lora.py):
+adapter-aware routing (the gateway's `AdapterRouter.choose`) against adapter-blind (the policy alone), both over
+the default policy.
+
     python -m bench.routing [--requests 2000] [--conversations 2000] [--seeds 3] [--jobs 1] [--quick]
+    python -m bench.routing --lora [--requests 2000] [--seeds 3] [--quick]
 """
 
 from __future__ import annotations
@@ -330,6 +336,43 @@ def _plot_chat(plt: Any, rows: list[dict[str, Any]], color: dict[str, str]) -> N
     plt.close(fig)
 
 
+def lora_rows(requests: int, seeds: int, loads: Iterable[float]) -> list[dict[str, Any]]:
+    """Adapter-aware against adapter-blind routing at each load, pooled over seeds."""
+    from sim.lora import LoraSim, run_adapters
+
+    node, lora, rows = spec(), LoraSim(), []
+    for load in loads:
+        for aware in (True, False):
+            runs = []
+            for seed in range(seeds):
+                rng = np.random.default_rng(seed)
+                specs = mixed(requests, rng)
+                arrivals = poisson_arrivals(requests, load * _capacity("mixed", seed, requests), rng)
+                summary, stats = run_adapters(node, specs, arrivals, DEFAULT_POLICY, lora, aware, seed)
+                runs.append({"summary": {**asdict(summary), **asdict(stats)}})
+            rows.append({"load": load, "routing": "adapter-aware" if aware else "adapter-blind",
+                         **{k: _mean(runs, k) for k in ("ttft_p50", "ttft_p99", "e2e_p99", "output_tokens_s",
+                                                        "loads", "unloads", "overflows")},
+                         "lora": asdict(lora)})
+    return rows
+
+
+def _ms1(x: float) -> str:
+    return f"{x * 1e3:,.1f}"
+
+
+def lora_report(rows: list[dict[str, Any]]) -> str:
+    lora = rows[0]["lora"]
+    head = (f"# LoRA: adapter-aware vs adapter-blind routing (simulated)\n\n{REPLICAS} x OPT-1.3B on an H100, "
+            f"`mixed` workload, Poisson arrivals; {lora['adapters']} adapters, Zipf s = {lora['zipf_s']:g}, "
+            f"{lora['max_loras']} slots per replica, {lora['load_s']:g} s a load; policy {DEFAULT_POLICY}.\n\n")
+    return head + markdown_table(
+        ["load", "routing", "TTFT p50", "TTFT p99", "E2E p99", "output tok/s", "loads", "unloads", "over cap"],
+        [[f"{r['load']:.0%}", r["routing"], _ms1(r["ttft_p50"]), _ms1(r["ttft_p99"]), _ms(r["e2e_p99"]),
+          f"{r['output_tokens_s']:.0f}", f"{r['loads']:.0f}", f"{r['unloads']:.0f}", f"{r['overflows']:.0f}"]
+         for r in rows])
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=2000, help="requests per single-turn run (2000)")
@@ -340,7 +383,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--replot", action="store_true", help="only redraw the figures from docs/bench/routing.json")
     parser.add_argument("--quick", action="store_true",
                         help="only 95%% load, one seed, 600 requests and 400 chats (a smoke run)")
+    parser.add_argument("--lora", action="store_true", help="LoRA adapters: adapter-aware vs adapter-blind routing")
     args = parser.parse_args(argv)
+    if args.lora:
+        if args.quick:
+            args.requests, args.seeds = 600, 1
+        rows = lora_rows(args.requests, args.seeds, (0.95,) if args.quick else LOADS)
+        text = lora_report(rows)
+        save("routing_lora", {"rows": rows}, text)
+        print(text)
+        return
     if args.replot:
         plot(json.loads((RESULTS / "routing.json").read_text())["rows"])
         return

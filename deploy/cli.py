@@ -22,7 +22,8 @@ from deploy.models import ModelError, ResolvedModel, resolve
 from deploy.plan import Plan, PlanError, load
 from deploy.process import StopFlag
 from deploy.rolling import RollingConfig, RollingError, rolling_restart
-from deploy.tinymodel import ensure_tiny_model
+from deploy.tinylora import ensure_tiny_adapter
+from deploy.tinymodel import default_cache_dir, ensure_tiny_model
 from deploy.up import DeployError, UpConfig, run
 from gateway.config import DEFAULT_POLICY, POLICY_NAMES
 
@@ -61,6 +62,12 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
     up.add_argument("--admin-key", help="the gateway's admin API key (default: a new random one, written to "
                     "RUN_DIR/admin.key)")
+    up.add_argument("--max-loras", type=int, metavar="N",
+                    help="serve LoRA adapters: each replica holds up to N at once (vLLM --enable-lora --max-loras)")
+    up.add_argument("--max-lora-rank", type=int, metavar="R", help="the largest adapter rank (vLLM's default 16)")
+    up.add_argument("--lora", action="append", default=[], metavar="NAME=PATH",
+                    help="register a LoRA adapter the gateway loads on demand (a directory or a Hugging Face "
+                         "repository); repeatable; needs --max-loras (default 1 when given)")
     up.add_argument("vllm_args", nargs="*", metavar="-- VLLM_ARGS", help="extra arguments for every replica")
     status = sub.add_parser("status", help="show the running deployment's replicas and gateway")
     status.add_argument("--run-dir", type=Path)
@@ -80,11 +87,40 @@ def _parser() -> argparse.ArgumentParser:
                          help="seconds a restarted replica may take to get healthy (default 600)")
     tiny = sub.add_parser("tiny-model", help="make (once) the tiny offline model and print its directory")
     tiny.add_argument("--dir", type=Path, help="where (default ~/.cache/smallserve/models/tiny-opt)")
+    tiny_lora = sub.add_parser("tiny-lora", help="make (once) LoRA adapters for the tiny model; print NAME=PATH "
+                               "for each (as --lora takes them)")
+    tiny_lora.add_argument("names", nargs="+", metavar="NAME")
+    tiny_lora.add_argument("--dir", type=Path, help="where (default ~/.cache/smallserve/loras)")
     return parser
 
 
+def lora_options(args: argparse.Namespace) -> tuple[int | None, int | None, tuple[tuple[str, str], ...]]:
+    """--max-loras, --max-lora-rank and the --lora NAME=PATH registry, checked."""
+    adapters = []
+    for item in args.lora:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--lora takes NAME=PATH, got {item!r}")
+        adapters.append((name, path))
+    max_loras = args.max_loras if args.max_loras is not None else (1 if adapters else None)
+    if max_loras is not None and max_loras < 1:
+        raise ValueError(f"--max-loras must be a positive integer, got {max_loras!r}")
+    if args.max_lora_rank is not None and max_loras is None:
+        raise ValueError("--max-lora-rank needs --max-loras (or --lora)")
+    return max_loras, args.max_lora_rank, tuple(adapters)
+
+
 def build_plan(args: argparse.Namespace, hardware: Hardware) -> Plan:
-    """The plan file (with --port, --policy and extra vLLM arguments applied) or a plan from the flags."""
+    """The plan file (with --port, --policy, LoRA and extra vLLM arguments applied) or a plan from the flags."""
+    plan = _plan(args, hardware)
+    max_loras, rank, adapters = lora_options(args)
+    if max_loras is None:
+        return plan
+    replicas = tuple(replace(r, max_loras=max_loras, max_lora_rank=rank or r.max_lora_rank) for r in plan.replicas)
+    return replace(plan, replicas=replicas, adapters={**plan.adapters, **dict(adapters)})
+
+
+def _plan(args: argparse.Namespace, hardware: Hardware) -> Plan:
     if args.plan:
         clashing = [f"--{name.replace('_', '-')}" for name in ("replicas", "model", "replica_port_base",
                     "max_num_seqs", "max_model_len", "gpu_memory_utilization", "kv_cache_gib")
@@ -201,8 +237,16 @@ def cmd_tiny_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_tiny_lora(args: argparse.Namespace) -> int:
+    model = ensure_tiny_model()
+    where = args.dir or default_cache_dir() / "loras"
+    for name in args.names:
+        print(f"{name}={ensure_tiny_adapter(where / name, name, str(model))}")
+    return 0
+
+
 COMMANDS = {"up": cmd_up, "status": cmd_status, "down": cmd_down, "restart": cmd_restart,
-            "tiny-model": cmd_tiny_model}
+            "tiny-model": cmd_tiny_model, "tiny-lora": cmd_tiny_lora}
 
 
 def main(argv: Sequence[str] | None = None) -> None:

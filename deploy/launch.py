@@ -41,6 +41,9 @@ class PlanOptions:
     cpu_kvcache_space_gib: float | None = None
     policy: str = DEFAULT_POLICY
     extra_args: tuple[str, ...] = ()
+    max_loras: int | None = None  # LoRA on: adapters each replica holds at once
+    max_lora_rank: int | None = None
+    adapters: tuple[tuple[str, str], ...] = ()  # LoRA adapters the gateway may load: (name, path)
 
     def __post_init__(self) -> None:
         if not isinstance(self.replicas, int) or self.replicas < 1:
@@ -71,11 +74,12 @@ def default_plan(options: PlanOptions, hardware: Hardware) -> Plan:
         ReplicaSpec(name=f"r{i}", model=options.model, port=base + i, max_num_seqs=seqs,
                     max_model_len=options.max_model_len, gpu_memory_utilization=fraction if gpu else None,
                     cpu_kvcache_space_gib=None if gpu else (options.cpu_kvcache_space_gib or CPU_KV_CACHE_GIB),
-                    extra_args=options.extra_args, admission=Admission(max_requests=seqs))
+                    extra_args=options.extra_args, admission=Admission(max_requests=seqs),
+                    max_loras=options.max_loras, max_lora_rank=options.max_lora_rank)
         for i in range(options.replicas))
     gateway = GatewaySpec(port=options.port, policy=options.policy, queue_size=QUEUE_SIZE, queue_wait_s=QUEUE_WAIT_S)
     return Plan(model=options.model, replicas=replicas, gateway=gateway,
-                reasoning={"source": "deploy up flags (no plan file)"})
+                reasoning={"source": "deploy up flags (no plan file)"}, adapters=dict(options.adapters))
 
 
 def with_models(plan: Plan, resolved: Mapping[str, ResolvedModel], gpu: bool = False) -> Plan:
@@ -173,6 +177,9 @@ def gateway_config(plan: Plan, *, host: str = "0.0.0.0", replica_host: str = "12
         config["models"] = models
     if tokenizers:
         config["tokenizers"] = dict(tokenizers)
+    slots = [spec.max_loras for spec in plan.replicas if spec.max_loras]
+    if plan.adapters and slots:
+        config["lora"] = {"adapters": dict(plan.adapters), "max_loras": min(slots)}
     if admin_key:
         config["admin_key"] = admin_key
     return config

@@ -14,10 +14,13 @@
         extra_args: []
         admission: {max_requests: 256, max_outstanding_tokens: null}
         served_model_name: null           # optional: the name clients ask for (default: model)
+        max_loras: null                   # LoRA: adapters held at once (vLLM --enable-lora --max-loras); null: off
+        max_lora_rank: null               # LoRA: the largest adapter rank (vLLM --max-lora-rank; default 16)
         speed: {step_s: {1: 0.0036, 256: 0.031}, prefill_tokens_s: 200000}   # optional: measured, for the gateway
     models:                               # optional: several models on one device (docs/multimodel.md)
       - {name: facebook/opt-1.3b, kind: generate, policy: prefix_affinity, queue_size: 1024, queue_wait_s: 30,
          traffic: {rate: 20, input_tokens: 512, output_tokens: 128}, slo: {p99_ttft_ms: 500}}
+    adapters: {sql: /models/sql-lora}     # LoRA adapters the gateway may load (name -> path or repository)
     reasoning: {...}                      # free-form: B*, the rule, the numbers it came from
     validation: {...}                     # free-form: what `planner validate` measured
 
@@ -41,6 +44,9 @@ from gateway.speed import Speed, SpeedError
 
 class PlanError(ValueError):
     """A plan file or value is wrong; the message names it."""
+
+
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the ranks vLLM 0.32 accepts for --max-lora-rank
 
 
 @dataclass(frozen=True)
@@ -67,6 +73,8 @@ class ReplicaSpec:
     admission: Admission = field(default_factory=Admission)
     served_model_name: str | None = None  # the name clients use (vLLM's --served-model-name); None: `model`
     speed: dict[str, Any] | None = None  # the gateway's speed model of it (gateway/speed.py), from the profile
+    max_loras: int | None = None  # LoRA adapters held at once (vLLM's --max-loras); None: LoRA off
+    max_lora_rank: int | None = None  # the largest adapter rank it takes (vLLM's --max-lora-rank)
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
@@ -74,7 +82,12 @@ class ReplicaSpec:
         if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
             raise PlanError(f"replica {self.name!r} gpu_memory_utilization must be in (0, 1], "
                             f"got {self.gpu_memory_utilization!r}")
-        for name in ("max_num_seqs", "max_model_len", "kv_cache_memory_bytes"):
+        if self.max_lora_rank is not None and self.max_lora_rank not in LORA_RANKS:
+            raise PlanError(f"replica {self.name!r} max_lora_rank must be one of {LORA_RANKS} (vLLM's), "
+                            f"got {self.max_lora_rank!r}")
+        if self.max_lora_rank is not None and self.max_loras is None:
+            raise PlanError(f"replica {self.name!r} has max_lora_rank but no max_loras (LoRA is off)")
+        for name in ("max_num_seqs", "max_model_len", "kv_cache_memory_bytes", "max_loras"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value <= 0):
                 raise PlanError(f"replica {self.name!r} {name} must be a positive integer, got {value!r}")
@@ -149,10 +162,13 @@ class Plan:
     reasoning: dict[str, Any] = field(default_factory=dict)
     validation: dict[str, Any] = field(default_factory=dict)
     models: tuple[ModelEntry, ...] = ()  # several models: each one's kind and gateway settings (empty: one model)
+    adapters: dict[str, Any] = field(default_factory=dict)  # LoRA: name -> path or {path, base} (the gateway's)
 
     def __post_init__(self) -> None:
         if not self.replicas:
             raise PlanError("a plan needs at least one replica")
+        if self.adapters and not any(r.max_loras for r in self.replicas):
+            raise PlanError("the plan names LoRA adapters but no replica has max_loras (LoRA is off)")
         ports = [r.port for r in self.replicas] + [self.gateway.port]
         if len(set(ports)) != len(ports):
             raise PlanError(f"ports collide in the plan: {ports}")
@@ -219,6 +235,7 @@ def from_dict(data: Any) -> Plan:
             reasoning=dict(data.get("reasoning") or {}),
             validation=dict(data.get("validation") or {}),
             models=tuple(_model_entry(m, i) for i, m in enumerate(data.get("models") or [])),
+            adapters=dict(data.get("adapters") or {}),
         )
     except TypeError as exc:
         raise PlanError(f"plan: {exc}") from exc

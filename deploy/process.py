@@ -241,15 +241,22 @@ def vllm_argv(spec: ReplicaSpec, host: str = "127.0.0.1", python: str = sys.exec
         argv += ["--gpu-memory-utilization", str(spec.gpu_memory_utilization)]
     if spec.kv_cache_memory_bytes is not None:
         argv += ["--kv-cache-memory-bytes", str(spec.kv_cache_memory_bytes)]
+    if spec.max_loras is not None:
+        argv += ["--enable-lora", "--max-loras", str(spec.max_loras)]
+        if spec.max_lora_rank is not None:
+            argv += ["--max-lora-rank", str(spec.max_lora_rank)]
     return argv + list(spec.extra_args)
 
 
 def vllm_env(spec: ReplicaSpec, env: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The environment for one replica: `env` (default: ours) plus the CPU KV cache size the spec names."""
+    """The environment for one replica: `env` (default: ours) plus the CPU KV cache size the spec names, and
+    runtime adapter loading when it serves LoRA."""
     result = dict(os.environ if env is None else env)
     if spec.cpu_kvcache_space_gib is not None:
         # vLLM reads VLLM_CPU_KVCACHE_SPACE as a whole number of GiB.
         result["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, round(spec.cpu_kvcache_space_gib)))
+    if spec.max_loras is not None:
+        result["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"  # /v1/load_lora_adapter: the gateway loads on demand
     return result
 
 

@@ -15,12 +15,15 @@ import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import replace
 
+import aiohttp
+
 from .admin import AdminApi, is_admin_path, relay
 from .config import GatewayConfig
 from .control import ControlPlane
 from .discovery import Resolver
 from .errors import GatewayError
 from .health import HealthChecker
+from .lora import AdapterRouter, SharedHoldings, VllmAdapterApi, upstream_headers
 from .metrics import Metrics
 from .parsing import other_info, parse
 from .policies import make_policy
@@ -83,6 +86,8 @@ class Gateway:
         self._admin_socket = admin_socket
         self.metrics = Metrics(self.router, self.table, row, range(1, self.table.rows))
         self.counter = TokenCounter.from_sources(config.tokenizer_map())  # at start: never from a request
+        self.adapters: AdapterRouter | None = None  # LoRA adapters on demand: made at start when configured
+        self._lora_session: aiohttp.ClientSession | None = None
         self.proxy: Proxy | None = None
         self._ids = random.Random(os.urandom(16))  # request ids: unique, not secret; no syscall per request
         self._pool: UpstreamPool | None = None
@@ -123,6 +128,19 @@ class Gateway:
         self.proxy = Proxy(self.config, self.router, self._pool, self.metrics, worker, self.tracing)
         self._tasks = [asyncio.create_task(self.follower.run(), name="replica-set-follower"),
                        asyncio.create_task(self._learn_tokenizers(), name="tokenizer-discovery")]
+        if self.config.lora.enabled:
+            self.adapters = self._adapter_router()
+            self._tasks.append(asyncio.create_task(self.adapters.run(), name="lora-adapter-sync"))
+
+    def _adapter_router(self) -> AdapterRouter:
+        lora, timeouts = self.config.lora, self.config.timeouts
+        self._lora_session = aiohttp.ClientSession()
+        api = VllmAdapterApi(self._lora_session, max(lora.load_timeout_s, timeouts.connect_s),
+                             upstream_headers(self.config))
+        table = self.table
+        holdings = SharedHoldings(self.metrics.store, lambda: [table.metric_region(r) for r in range(table.hi)])
+        holdings.forget_inflight(self.router.replicas, [a.name for a in lora.adapters])
+        return AdapterRouter(lora, self.router, self.router.policy, api, holdings, self.metrics.store)
 
     async def _learn_tokenizers(self) -> None:
         """Load the tokenizers of models whose cards name a local directory, as replicas report them."""
@@ -144,6 +162,10 @@ class Gateway:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         self.router.close()
+        if self.adapters is not None:
+            await self.adapters.close()
+        if self._lora_session is not None:
+            await self._lora_session.close()
         if self.proxy is not None:
             self.proxy.close()
         if self._pool is not None:
@@ -189,6 +211,13 @@ class Gateway:
     # -- routes -----------------------------------------------------------------------------------------------
     def _generation(self, endpoint: str) -> Route:
         async def handle(request: Request, responder: Responder, request_id: str) -> Response | None:
+            adapters = self.adapters
+            if adapters is not None:
+                info = parse(request.body, endpoint, self.counter, self.config.default_max_tokens,
+                             adapters.check_model)
+                assert self.proxy is not None
+                acquire = adapters.acquire if info.model in adapters.registry else None
+                return await self.proxy.forward(request, responder, info, request_id, acquire)
             info = parse(request.body, endpoint, self.counter, self.config.default_max_tokens, self.router.check_model)
             assert self.proxy is not None
             return await self.proxy.forward(request, responder, info, request_id)
@@ -213,6 +242,10 @@ class Gateway:
         for replica in self.router.healthy():
             for model_id in sorted(replica.models):
                 cards.setdefault(model_id, replica.cards.get(model_id) or {"id": model_id, "object": "model"})
+        if self.adapters is not None:  # registered adapters are served, loaded or not
+            for spec in self.adapters.registry.values():
+                cards.setdefault(spec.name, {"id": spec.name, "object": "model", "owned_by": "smallserve",
+                                             "root": spec.name, "parent": spec.base})
         return _json({"object": "list", "data": list(cards.values())})
 
     async def _health(self, request: Request, responder: Responder, request_id: str) -> Response:

@@ -39,6 +39,12 @@ YAML (every key optional; flags given on the command line win over the file):
     models:                               # per-model settings (several models behind one gateway; docs/multimodel.md)
       chat: {policy: prefix_affinity, queue: {max_size: 512, max_wait_s: 30}}
       embed: {policy: least_outstanding_tokens}   # what a model leaves out is the gateway's setting
+    lora:                                 # LoRA adapters loaded on demand (off unless `adapters` names some)
+      adapters: {sql: /models/sql-lora, chat: {path: org/chat-lora, base: my-model}}  # the only names loaded
+      max_loras: 1                        # adapters a replica holds at once (vLLM's --max-loras)
+      load_timeout_s: 60                  # the longest a request waits for its adapter to be loaded
+      sync_s: 10                          # how often each replica's /v1/models is read for its adapters
+      slack_tokens: 4096                  # a holder wins while within this many outstanding tokens of the best
 """
 
 from __future__ import annotations
@@ -254,6 +260,61 @@ class TracingConfig:
         _positive("tracing timeout_s", self.timeout_s)
 
 
+@dataclass(frozen=True)
+class AdapterSpec:
+    """One registered LoRA adapter: the name clients ask for, what vLLM loads it from, the base it needs."""
+
+    name: str
+    path: str  # a local directory or a Hugging Face repository: given to vLLM's /v1/load_lora_adapter
+    base: str | None = None  # the base model a replica must serve to take it (None: any replica)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not _NAME.fullmatch(self.name):
+            raise ConfigError(f"lora adapter name must be letters, digits, '.', '_' or '-' (at most 63), "
+                              f"got {self.name!r}")
+        if not isinstance(self.path, str) or not self.path:
+            raise ConfigError(f"lora adapter {self.name!r} needs a path or repository, got {self.path!r}")
+        if self.base is not None and (not isinstance(self.base, str) or not self.base):
+            raise ConfigError(f"lora adapter {self.name!r} base must be a model name, got {self.base!r}")
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    """LoRA adapters the gateway loads on demand (docs/lora.md); off while `adapters` is empty."""
+
+    adapters: tuple[AdapterSpec, ...] = ()
+    max_loras: int = 1
+    load_timeout_s: float = 60.0
+    sync_s: float = 10.0
+    slack_tokens: int = 4096  # a holder wins while its outstanding tokens exceed the best's by at most this
+
+    def __post_init__(self) -> None:
+        if isinstance(self.adapters, dict):
+            object.__setattr__(self, "adapters", tuple(_adapter(k, v) for k, v in self.adapters.items()))
+        if not isinstance(self.max_loras, int) or isinstance(self.max_loras, bool) or self.max_loras < 1:
+            raise ConfigError(f"lora.max_loras must be a positive integer, got {self.max_loras!r}")
+        _positive("lora.load_timeout_s", self.load_timeout_s)
+        _positive("lora.sync_s", self.sync_s)
+        _positive("lora.slack_tokens", self.slack_tokens, allow_zero=True)
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.adapters)
+
+    def registry(self) -> dict[str, AdapterSpec]:
+        return {a.name: a for a in self.adapters}
+
+
+def _adapter(name: object, value: object) -> AdapterSpec:
+    if isinstance(value, AdapterSpec):
+        return value
+    if isinstance(value, str):
+        return AdapterSpec(str(name), value)
+    if isinstance(value, dict) and set(value) <= {"path", "base"}:
+        return AdapterSpec(str(name), value.get("path"), value.get("base"))  # type: ignore[arg-type]
+    raise ConfigError(f"lora adapter {name!r} must be a path, or a mapping with path (and base), got {value!r}")
+
+
 def cpu_count() -> int:
     """CPUs this process may use: its affinity, and a cgroup v2 CPU quota where there is one (containers)."""
     count = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
@@ -314,6 +375,7 @@ class GatewayConfig:
     log_level: str = "info"
     tracing: TracingConfig = field(default_factory=TracingConfig)
     models: tuple[tuple[str, ModelConfig], ...] = ()  # model name -> its own settings
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
     def __post_init__(self) -> None:
         if not self.replicas and not self.discovery:
@@ -351,7 +413,7 @@ class GatewayConfig:
 
 
 _SECTIONS = {"timeouts": Timeouts, "health": HealthConfig, "retry": RetryConfig, "queue": QueueConfig,
-             "feedback": FeedbackConfig, "clients": ClientConfig, "tracing": TracingConfig}
+             "feedback": FeedbackConfig, "clients": ClientConfig, "tracing": TracingConfig, "lora": LoraConfig}
 
 
 def _build(cls: type, where: str, data: Any) -> Any:
@@ -423,6 +485,7 @@ def to_mapping(config: GatewayConfig) -> dict[str, Any]:
     data["models"] = {name: asdict(model) for name, model in config.models}
     for key in ("replicas", "discovery", "api_keys"):
         data[key] = list(data[key])
+    data["lora"]["adapters"] = {a.name: {"path": a.path, "base": a.base} for a in config.lora.adapters}
     for item, replica in zip(data["replicas"], config.replicas):
         item["speed"] = replica.speed.to_mapping() if replica.speed else None
     return data

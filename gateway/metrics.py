@@ -100,6 +100,24 @@ def _entries(region: memoryview) -> Iterator[tuple[tuple[str, ...], int, int]]:
         offset = cell * 8 + width * 8
 
 
+class RegionReader:
+    """Reads one key's cells in every region, re-parsing a region's index only when it has grown."""
+
+    def __init__(self) -> None:
+        self._indexes: dict[int, tuple[int, dict[tuple[str, ...], int]]] = {}
+
+    def values(self, regions: Iterable[memoryview], key: tuple[str, ...]) -> Iterator[float]:
+        """The first cell of `key` in each region that has it."""
+        for i, region in enumerate(regions):
+            used = int(region.cast("q")[0])
+            seen = self._indexes.get(i)
+            if seen is None or seen[0] != used:
+                seen = self._indexes[i] = (used, {k: cell for k, cell, _ in _entries(region)})
+            cell = seen[1].get(key)
+            if cell is not None:
+                yield region.cast("d")[cell]
+
+
 def totals(regions: Iterable[memoryview]) -> dict[tuple[str, ...], list[float]]:
     """Every key's cells summed over the regions (one per worker)."""
     out: dict[tuple[str, ...], list[float]] = {}
@@ -164,7 +182,14 @@ class _Families(Collector):
                                           labels=["replica", "model"])
         ttft = HistogramMetricFamily("gateway_time_to_first_token_seconds",
                                      "Time from request to first streamed token", labels=["replica", "model"])
-        by_name = {"requests": requests, "retries": retries, "rejections": rejections, "shed": shed}
+        loads = CounterMetricFamily("gateway_lora_loads", "LoRA adapters loaded onto a replica by the gateway",
+                                    labels=["replica", "adapter"])
+        unloads = CounterMetricFamily("gateway_lora_unloads", "LoRA adapters unloaded (least recently used first) "
+                                      "to make room", labels=["replica", "adapter"])
+        failures = CounterMetricFamily("gateway_lora_load_failures", "LoRA adapter loads that failed",
+                                       labels=["replica", "adapter"])
+        by_name = {"requests": requests, "retries": retries, "rejections": rejections, "shed": shed,
+                   "lora_loads": loads, "lora_unloads": unloads, "lora_load_failures": failures}
         histograms = {"duration": durations, "ttft": ttft}
         for (name, *labels), cells in sorted(sums.items()):
             if name in by_name:
@@ -176,6 +201,8 @@ class _Families(Collector):
                     buckets.append((le, running))
                 histograms[name].add_metric(labels, buckets, cells[-1])
         yield from (requests, durations, ttft, retries, rejections, shed)
+        if loads.samples or unloads.samples or failures.samples:
+            yield from (loads, unloads, failures)
 
     def _live(self, rows: range) -> Iterator[Metric]:
         table, replicas = self._table, [r for r in self._router.replicas.values() if r.slot >= 0]
@@ -229,7 +256,7 @@ class Metrics:
 
     def __init__(self, router: Router, table: LoadTable, row: int, worker_rows: range) -> None:
         self.registry = CollectorRegistry()
-        self._store = store = CounterStore(table.metric_region(row))
+        self.store = self._store = store = CounterStore(table.metric_region(row))
         self._values = store.values
         self.retries = LabelledCounter(store, "retries")
         self.rejections = LabelledCounter(store, "rejections")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 
 from .config import GatewayConfig
 from .errors import GatewayError, overloaded
@@ -26,6 +27,7 @@ from .upstream import Origin, UpstreamPool, UpstreamResponse
 
 logger = logging.getLogger(__name__)
 
+Acquire = Callable[[RequestInfo, frozenset[str]], Awaitable[Lease]]
 _SSE_EVENT = b"data:"
 _RETRY_STATUSES = (502, 503)
 _MAX_HELD = 64 * 1024  # an SSE event longer than this is relayed in parts
@@ -80,8 +82,11 @@ class Proxy:
             self._headers += f"Authorization: Bearer {config.upstream_api_key}\r\n".encode("latin-1")
 
     async def forward(self, request: Request, responder: Responder, info: RequestInfo,
-                      request_id: str) -> Response | None:
-        """Send the body to a replica (retrying on another while that is safe) and relay its answer."""
+                      request_id: str, acquire: Acquire | None = None) -> Response | None:
+        """Send the body to a replica (retrying on another while that is safe) and relay its answer.
+
+        `acquire` takes the lease instead of the router (a LoRA adapter's requests: gateway/lora.py).
+        """
         loop = self._loop
         started = loop.time()
         deadline = started + self._config.retry.max_time_s
@@ -91,10 +96,10 @@ class Proxy:
         status, error = 200, ""
         try:
             for attempt in range(1, attempts + 1):
-                lease = self._router.lease_now(info, tried)
-                if lease is None:
+                lease = self._router.lease_now(info, tried) if acquire is None else None
+                if lease is None:  # waiting for a replica with room (a LoRA adapter: for its replica and load)
                     trace.queued()
-                    lease = await self._router.acquire(info, tried)
+                    lease = await (acquire or self._router.acquire)(info, tried)
                 trace.picked(lease)
                 watch = self._watchdogs.watch(self._config.timeouts.first_byte_s)
                 upstream: UpstreamResponse | None = None

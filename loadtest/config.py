@@ -103,6 +103,8 @@ def add_arguments(parser: Any) -> None:
     add("--system-len", default="256", help="multiturn: tokens of the system prompt all conversations share")
     add("--think-time", default="5.0", help="multiturn: mean seconds from a reply to the next message")
     add("--max-context", default="2048", help="multiturn: end a conversation before a turn past this many tokens")
+    add("--adapters", default="", help="LoRA adapters the requests name, comma-separated, most popular first")
+    add("--zipf", default="1.0", help="adapter popularity: the k-th adapter with probability ~ 1/k^s (0: uniform)")
     add("--tokenizer", default="", help="the model's tokenizer.json (or its directory): exact prompt lengths")
     add("--prompt-salt", default="0", help="other prompt text with the same lengths and schedule (no prefix-cache "
                                            "hits from an earlier run); compare sets one per target")
@@ -182,6 +184,8 @@ def config_from_options(opts: Any, hosts: tuple[str, ...], out_dir: str | None) 
         turns=_lengths("turns", opts.turns, "MIN:MAX turns, e.g. 2:8"), system_len=_number("system len", opts.system_len, int),
         think_time=_number("think time", opts.think_time, float),
         max_context=_number("max context", opts.max_context, int),
+        adapters=tuple(a for a in _text(opts.adapters).split(",") if a),
+        zipf_s=_number("zipf", opts.zipf, float),
     )
     return LoadConfig(
         hosts=hosts, model=_text(opts.model), endpoint=_text(opts.endpoint), mode=mode,
@@ -215,7 +219,7 @@ def to_argv(config: LoadConfig) -> list[str]:
         "--short": "%d:%d" % w.short, "--long": "%d:%d" % w.long, "--long-fraction": repr(w.long_fraction),
         "--tokenizer": w.tokenizer or "", "--prompt-salt": str(w.prompt_salt),
         "--turns": "%d:%d" % w.turns, "--system-len": str(w.system_len), "--think-time": repr(w.think_time),
-        "--max-context": str(w.max_context),
+        "--max-context": str(w.max_context), "--adapters": ",".join(w.adapters), "--zipf": repr(w.zipf_s),
         "--ignore-eos": "true" if config.ignore_eos else "false",
         "--connect-timeout": repr(config.connect_timeout), "--read-timeout": repr(config.read_timeout),
         "--drain-timeout": repr(config.drain_timeout), "--max-connections": str(config.max_connections),
@@ -229,6 +233,8 @@ def config_from_dict(data: dict[str, Any]) -> LoadConfig:
     workload = dict(data["workload"], short=tuple(data["workload"]["short"]), long=tuple(data["workload"]["long"]))
     if "turns" in workload:
         workload["turns"] = tuple(workload["turns"])
+    if "adapters" in workload:
+        workload["adapters"] = tuple(workload["adapters"])
     return LoadConfig(**dict(data, hosts=tuple(data["hosts"]), arrival=ArrivalSpec(**arrival),
                              workload=WorkloadSpec(**workload)))
 

@@ -9,9 +9,10 @@ from loadtest.workloads import RequestSpec
 
 
 def request_body(model: str, endpoint: str, request: RequestSpec, ignore_eos: bool) -> dict[str, Any]:
-    """A streaming completions or chat body for `request`, asking the server to report usage."""
+    """A streaming completions or chat body for `request` (its adapter, if it names one, else `model`), asking the
+    server to report usage."""
     body: dict[str, Any] = {
-        "model": model,
+        "model": request.model or model,
         "max_tokens": request.max_tokens,
         "stream": True,
         "stream_options": {"include_usage": True},

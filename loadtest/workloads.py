@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -43,6 +43,7 @@ class RequestSpec:
     history: tuple[tuple[str, str], ...] = ()  # multi-turn: (role, text) of the messages before this prompt
     conversation: int | None = None  # multi-turn: which conversation, and which of its turns (0-based)
     turn: int | None = None
+    model: str | None = None  # the model (a LoRA adapter) this request names; None: the run's --model
 
 
 @dataclass(frozen=True)
@@ -66,8 +67,14 @@ class WorkloadSpec:
     system_len: int = 256  # multiturn: the shared system prompt's tokens
     think_time: float = 5.0  # multiturn: mean seconds between a reply and the next message (exponential)
     max_context: int = 2048  # multiturn: a conversation ends before a turn that would pass this many tokens
+    adapters: tuple[str, ...] = ()  # LoRA adapters the requests name, the first the most popular (Zipf)
+    zipf_s: float = 1.0  # adapter popularity: the k-th adapter named with probability proportional to 1 / k^s
 
     def __post_init__(self) -> None:
+        if any(not isinstance(a, str) or not a for a in self.adapters):
+            raise ValueError(f"adapters {self.adapters!r} must be non-empty names")
+        if not self.zipf_s >= 0:
+            raise ValueError(f"zipf exponent {self.zipf_s!r} must be >= 0")
         if self.kind not in WORKLOADS:
             raise ValueError(f"workload {self.kind!r} is not one of {', '.join(WORKLOADS)}")
         for name in ("input_len", "output_len"):
@@ -262,10 +269,35 @@ def parse_sharegpt(data: object, tokens: Tokens) -> list[tuple[str, int, int]]:
     return pairs
 
 
+def zipf_weights(n: int, s: float) -> np.ndarray:
+    """Probabilities of ranks 1..n under Zipf's law with exponent `s` (s = 0: uniform)."""
+    weights = 1.0 / np.arange(1, n + 1) ** s
+    return np.asarray(weights / weights.sum())
+
+
+@dataclass(frozen=True)
+class WithAdapters:
+    """Another workload's requests, each naming one of `adapters`, drawn by Zipf popularity (seeded per index)."""
+
+    inner: Workload
+    adapters: tuple[str, ...]
+    zipf_s: float
+    seed: int
+
+    def request(self, index: int) -> RequestSpec:
+        spec = self.inner.request(index)
+        rng = np.random.default_rng([self.seed, index, 2])
+        name = self.adapters[int(rng.choice(len(self.adapters), p=zipf_weights(len(self.adapters), self.zipf_s)))]
+        return replace(spec, model=name)
+
+
 def build_workload(spec: WorkloadSpec) -> Workload:
     """The workload `spec` describes (a ShareGPT file is read here, once)."""
     tokens = TokenizerTokens.load(spec.tokenizer) if spec.tokenizer else EstimatedTokens()
+    workload: Workload
     if spec.kind == "sharegpt":
         assert spec.dataset is not None  # checked by WorkloadSpec
-        return ShareGpt.load(spec.dataset, spec.seed, spec.sharegpt_output_len, tokens, spec.prompt_salt)
-    return Synthetic(spec, tokens)
+        workload = ShareGpt.load(spec.dataset, spec.seed, spec.sharegpt_output_len, tokens, spec.prompt_salt)
+    else:
+        workload = Synthetic(spec, tokens)
+    return WithAdapters(workload, spec.adapters, spec.zipf_s, spec.seed) if spec.adapters else workload

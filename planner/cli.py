@@ -72,6 +72,10 @@ def _plan_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
     p.add_argument("--policy", choices=POLICY_NAMES, default=DEFAULT_POLICY,
                    help="the gateway's routing policy")
     p.add_argument("--queue-size", type=int, help="gateway admission queue (default max(1024, 4 x replicas x B*))")
+    p.add_argument("--max-loras", type=int, help="serve LoRA adapters: slots per replica (counted in memory; "
+                   "vLLM --enable-lora --max-loras)")
+    p.add_argument("--max-lora-rank", type=int, default=16, help="the largest adapter rank (default 16, vLLM's)")
+    p.add_argument("--lora-gib", type=float, help="one replica's LoRA slots (default: from the model's config.json)")
     p.add_argument("--plots", type=Path, help="also draw the profile's plots into this directory")
     p.set_defaults(run=_run_plan)
 
@@ -90,7 +94,8 @@ def _run_plan(args: argparse.Namespace) -> int:
         kv_bytes_per_token=args.kv_bytes_per_token, tokens_per_request=args.tokens_per_request,
         block_size=args.block_size, overhead_gib=args.overhead_gib, margin=args.margin, replicas=args.replicas,
         max_replicas=args.max_replicas, kv_cache_bytes_mode=args.kv_cache_bytes, base_port=args.base_port,
-        gateway_port=args.gateway_port, policy=args.policy, queue_size=args.queue_size)
+        gateway_port=args.gateway_port, policy=args.policy, queue_size=args.queue_size, max_loras=args.max_loras,
+        max_lora_rank=args.max_lora_rank, lora_gib=args.lora_gib)
     profile = load_profile(args.profile)
     plan = make_plan(profile, config)
     write_plan(plan, args.out)

@@ -2,7 +2,7 @@
 
 A replica's slice of the device is
 
-    weights + KV for B* requests + runtime overhead, plus a safety margin on the sum
+    weights + KV for B* requests + runtime overhead (+ LoRA adapter slots), plus a safety margin on the sum
 
 where the KV part is the measured peak KV usage at B* (fraction of the pool x pool size) when the profile has
 it, else B* x (tokens per request rounded up to whole KV blocks) x bytes per token (the larger of the two when
@@ -58,8 +58,11 @@ class MemoryFacts:
     tokens_per_request: int | None = None
     block_size: int = 16
     measured_kv_bytes: int | None = None  # peak KV usage at B*, from the profile
+    lora_bytes: int = 0  # LoRA adapter slots: max_loras x one slot at max_lora_rank (0: LoRA off)
 
     def __post_init__(self) -> None:
+        if self.lora_bytes < 0:
+            raise MemoryPlanError(f"LoRA memory must be >= 0 bytes, got {self.lora_bytes}")
         if self.weights_bytes < 0 or self.overhead_bytes < 0:
             raise MemoryPlanError(f"weights and overhead must be >= 0 bytes, got {self.weights_bytes}, "
                                   f"{self.overhead_bytes}")
@@ -77,10 +80,11 @@ class ReplicaMemory:
     kv_source: str
     overhead_bytes: int
     margin_bytes: int
+    lora_bytes: int = 0
 
     @property
     def total_bytes(self) -> int:
-        return self.weights_bytes + self.kv_bytes + self.overhead_bytes + self.margin_bytes
+        return self.weights_bytes + self.kv_bytes + self.overhead_bytes + self.lora_bytes + self.margin_bytes
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -116,8 +120,8 @@ def replica_memory(facts: MemoryFacts, batch_size: int) -> ReplicaMemory:
                                             ("--tokens-per-request", facts.tokens_per_request)) if value is None]
         raise MemoryPlanError("the profile has no measured KV usage, so the KV need is computed, and that needs "
                               f"{' and '.join(missing)}")
-    margin = math.ceil(facts.margin * (facts.weights_bytes + kv + facts.overhead_bytes))
-    return ReplicaMemory(batch_size, facts.weights_bytes, kv, source, facts.overhead_bytes, margin)
+    margin = math.ceil(facts.margin * (facts.weights_bytes + kv + facts.overhead_bytes + facts.lora_bytes))
+    return ReplicaMemory(batch_size, facts.weights_bytes, kv, source, facts.overhead_bytes, margin, facts.lora_bytes)
 
 
 @dataclass(frozen=True)

@@ -111,3 +111,34 @@ def non_kv_bytes(model: str, max_num_seqs: int) -> tuple[int, str] | None:
            f"float32 rows x vocab {shape.vocab_size:,} x B={max_num_seqs} = {sampler / 2**30:.2f} GiB "
            "(the simulator's memory model, fitted to vLLM 0.5.2 on an H100)")
     return int(total), how
+
+
+_UNGATED = ("opt", "gpt2", "gpt_neox", "gptj", "bloom", "falcon", "phi")  # MLPs of two matrices, not three
+
+
+def lora_slot_bytes(model: str, rank: int, dtype: str | None = None) -> tuple[int, str] | None:
+    """Bytes one LoRA slot takes at `rank` (vLLM preallocates `max_loras` of them), from the model's config.json.
+
+    vLLM gives every linear layer of every decoder layer an A (rank x in) and a B (out x rank) buffer per slot,
+    whatever modules an adapter targets: q, k, v, o, and the MLP's up and down (and gate) projections. So one slot
+    is rank x the sum of (in + out) over those layers x layers x the element size (the model's dtype).
+    """
+    config = _config(model)
+    if config is None:
+        return None
+    hidden, layers, heads = (config.get(k) for k in ("hidden_size", "num_hidden_layers", "num_attention_heads"))
+    ffn = config.get("intermediate_size") or config.get("ffn_dim")
+    if not all(isinstance(v, int) and v > 0 for v in (hidden, layers, heads, ffn)):
+        return None
+    assert isinstance(hidden, int) and isinstance(layers, int) and isinstance(heads, int) and isinstance(ffn, int)
+    head_dim = config.get("head_dim") or hidden // heads
+    q_dim, kv_dim = heads * head_dim, (config.get("num_key_value_heads") or heads) * head_dim
+    gated = str(config.get("model_type", "")).lower() not in _UNGATED
+    attention = (hidden + q_dim) + 2 * (hidden + kv_dim) + (q_dim + hidden)
+    mlp = (3 if gated else 2) * (hidden + ffn)
+    name = str(dtype or config.get("torch_dtype") or config.get("dtype") or "float16").removeprefix("torch.")
+    element = _DTYPE_BYTES.get(name, 2)
+    total = rank * (attention + mlp) * layers * element
+    how = (f"computed: rank {rank} x (attention {attention:,} + {'gated ' if gated else ''}MLP {mlp:,} in+out "
+           f"features) x {layers} layers x {element} bytes")
+    return total, how

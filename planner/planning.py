@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from deploy.plan import (US_PER_EVENT, WORKER_BUSY, Admission, GatewaySpec, Plan, PlanError, ReplicaSpec, dump,
+from deploy.plan import (LORA_RANKS, US_PER_EVENT, WORKER_BUSY, Admission, GatewaySpec, Plan, PlanError, ReplicaSpec, dump,
                          gateway_workers)
 from gateway.config import DEFAULT_POLICY
 from planner import modelinfo
@@ -53,8 +53,17 @@ class PlanConfig:
     policy: str = DEFAULT_POLICY
     queue_size: int | None = None
     queue_wait_s: float = 30.0
+    max_loras: int | None = None  # LoRA on: adapter slots per replica (vLLM --max-loras), counted in memory
+    max_lora_rank: int = 16  # vLLM's default
+    lora_gib: float | None = None  # one replica's LoRA slots, when the model's config is not at hand
 
     def __post_init__(self) -> None:
+        if self.max_loras is not None and self.max_loras < 1:
+            raise PlannerError(f"--max-loras must be a positive integer, got {self.max_loras!r}")
+        if self.max_lora_rank not in LORA_RANKS:
+            raise PlannerError(f"--max-lora-rank must be one of {LORA_RANKS}, got {self.max_lora_rank!r}")
+        if self.lora_gib is not None and (not math.isfinite(self.lora_gib) or self.lora_gib < 0):
+            raise PlannerError(f"--lora-gib must be a non-negative number, got {self.lora_gib!r}")
         if self.device not in ("auto", "gpu", "cpu"):
             raise PlannerError(f"device must be auto, gpu or cpu, got {self.device!r}")
         for name in ("gpu_memory_gib", "weights_gib", "kv_bytes_per_token", "overhead_gib"):
@@ -146,13 +155,31 @@ def _memory_facts(profile: Profile, point: ProfilePoint, config: PlanConfig, dev
     if point.peak_kv_usage is not None and pool is not None:
         measured = measured_kv_bytes(point.peak_kv_usage, pool, per_token.value)
     overhead = _overhead(point, config, device, weights.value or 0, per_token.value, model)
+    lora = _lora(config, device, model)
     facts = MemoryFacts(weights_bytes=int(weights.value or 0), overhead_bytes=int(overhead.value or 0),
                         margin=config.margin, kv_bytes_per_token=per_token.value,
                         tokens_per_request=int(tokens.value) if tokens.value is not None else None,
-                        block_size=int(block.value or 16), measured_kv_bytes=measured)
+                        block_size=int(block.value or 16), measured_kv_bytes=measured, lora_bytes=int(lora.value or 0))
     sources = {"weights": weights.source, "kv_bytes_per_token": per_token.source,
                "tokens_per_request": tokens.source, "block_size": block.source, "overhead": overhead.source}
+    if config.max_loras:
+        sources["lora"] = lora.source
     return facts, sources
+
+
+def _lora(config: PlanConfig, device: str, model: str) -> _Fact:
+    """The LoRA slots' memory: max_loras x one slot at max_lora_rank (vLLM preallocates them on the device)."""
+    if not config.max_loras:
+        return _Fact(0, "LoRA off")
+    if config.lora_gib is not None:
+        return _Fact(config.lora_gib * GIB, "--lora-gib")
+    if device == "cpu":
+        return _Fact(0, "not counted on CPU: VLLM_CPU_KVCACHE_SPACE sizes only the KV pool")
+    slot = modelinfo.lora_slot_bytes(model, config.max_lora_rank)
+    if slot is None:
+        raise MemoryPlanError(f"the LoRA slots' size of {model!r} is unknown (no config.json at hand): "
+                              "give --lora-gib")
+    return _Fact(slot[0] * config.max_loras, f"{config.max_loras} slots x ({slot[1]})")
 
 
 def _overhead(point: ProfilePoint, config: PlanConfig, device: str, weights: float,
@@ -190,7 +217,9 @@ def make_plan(profile: Profile, config: PlanConfig) -> Plan:
     speed = gateway_speed(profile)
     replicas = tuple(ReplicaSpec(name=f"r{i}", model=model, port=config.base_port + i,
                                  max_num_seqs=choice.batch_size, max_model_len=max_model_len, extra_args=extra,
-                                 admission=Admission(max_requests=choice.batch_size), speed=speed, **memory_args)
+                                 admission=Admission(max_requests=choice.batch_size), speed=speed,
+                                 max_loras=config.max_loras,
+                                 max_lora_rank=config.max_lora_rank if config.max_loras else None, **memory_args)
                      for i in range(count))
     queue = config.queue_size or max(1024, 4 * count * choice.batch_size)
     workers, rate = _workers(profile, choice, count)
@@ -262,7 +291,8 @@ def _reasoning(profile: Profile, choice: Choice, bca: Any, memory: ReplicaMemory
     if device == "gpu":
         summary = (f"{head}; one replica needs {gib(memory.total_bytes)} GiB ({gib(memory.weights_bytes)} weights + "
                    f"{gib(memory.kv_bytes)} KV + {gib(memory.overhead_bytes)} overhead + "
-                   f"{gib(memory.margin_bytes)} margin); {layout['replicas']} replica(s) at "
+                   + (f"{gib(memory.lora_bytes)} LoRA slots + " if memory.lora_bytes else "")
+                   + f"{gib(memory.margin_bytes)} margin); {layout['replicas']} replica(s) at "
                    f"gpu_memory_utilization {layout['fraction_each']} each.")
     else:
         summary = (f"{head}; KV for B* requests {gib(memory.kv_bytes)} GiB -> VLLM_CPU_KVCACHE_SPACE "

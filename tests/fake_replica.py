@@ -47,6 +47,8 @@ class FakeBehavior:
     root: str | None = None  # the model card's `root` (vLLM: the path or id the model was loaded from)
     metrics_page: str | None = None  # serve this text as /metrics instead of the live counts (a real vLLM page)
     max_running: int | None = None  # like vLLM's max_num_seqs: requests beyond it wait (and /metrics says so)
+    lora_load_s: float = 0.0  # how long /v1/load_lora_adapter takes
+    lora_fail: bool = False  # /v1/load_lora_adapter answers 404 (as vLLM does for a path with no adapter)
 
 
 @dataclass
@@ -62,6 +64,9 @@ class FakeStats:
     aborted: int = 0
     finished: int = 0
     health_probes: int = 0
+    adapters: dict[str, str] = field(default_factory=dict)  # LoRA adapters loaded now: name -> path
+    lora_events: list[tuple[str, str]] = field(default_factory=list)  # ("load" | "unload", name), in order
+    max_adapters: int = 0  # the most adapters loaded at once
 
 
 BEHAVIOR = web.AppKey("behavior", FakeBehavior)
@@ -94,7 +99,7 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
     stats.bodies.append(body)
     stats.trace_headers.append({k: v for k in ("traceparent", "tracestate") if (v := request.headers.get(k))})
     stats.arrivals.append(time.monotonic())
-    if body.get("model") != behavior.model:
+    if body.get("model") != behavior.model and body.get("model") not in stats.adapters:
         return _error(404, f"The model `{body.get('model')}` does not exist.")
     if behavior.fail == "refuse":
         return _error(503, "overloaded")
@@ -196,9 +201,36 @@ async def embeddings(request: web.Request) -> web.Response:
 
 async def models(request: web.Request) -> web.Response:
     name, root = request.app[BEHAVIOR].model, request.app[BEHAVIOR].root
+    adapters = [{"id": a, "object": "model", "created": 0, "owned_by": "vllm", "root": path, "parent": name}
+                for a, path in request.app[STATS].adapters.items()]
     return web.json_response({"object": "list", "data": [
         {"id": name, "object": "model", "created": 0, "owned_by": "vllm", "root": root or name,
-         "max_model_len": 2048}]})
+         "parent": None, "max_model_len": 2048}, *adapters]})
+
+
+async def load_lora(request: web.Request) -> web.Response:
+    """vLLM's answers: 200 text, 400 when loaded already, 404 when the path holds no adapter."""
+    behavior, stats = request.app[BEHAVIOR], request.app[STATS]
+    body = await request.json()
+    name, path = body.get("lora_name"), body.get("lora_path")
+    await asyncio.sleep(behavior.lora_load_s)
+    if name in stats.adapters:
+        return _error(400, f"The lora adapter '{name}' has already been loaded.")
+    if behavior.lora_fail:
+        return _error(404, f"Loading lora {name} failed: No adapter found for {path}")
+    stats.adapters[name] = path
+    stats.lora_events.append(("load", name))
+    stats.max_adapters = max(stats.max_adapters, len(stats.adapters))
+    return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
+
+
+async def unload_lora(request: web.Request) -> web.Response:
+    stats = request.app[STATS]
+    name = (await request.json()).get("lora_name")
+    if stats.adapters.pop(name, None) is None:
+        return _error(404, f"The lora adapter '{name}' cannot be found.")
+    stats.lora_events.append(("unload", name))
+    return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")
 
 
 async def health(request: web.Request) -> web.Response:
@@ -238,6 +270,8 @@ def make_app(behavior: FakeBehavior | None = None) -> web.Application:
     app.router.add_post("/v1/chat/completions", chat)
     app.router.add_post("/v1/embeddings", embeddings)
     app.router.add_get("/v1/models", models)
+    app.router.add_post("/v1/load_lora_adapter", load_lora)
+    app.router.add_post("/v1/unload_lora_adapter", unload_lora)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/fake/stats", fake_stats)
