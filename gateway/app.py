@@ -20,15 +20,18 @@ from .config import GatewayConfig
 from .control import ControlPlane
 from .discovery import Resolver
 from .errors import GatewayError
+from .fairqueue import PriorityOrder
 from .health import HealthChecker
 from .metrics import Metrics
 from .parsing import other_info, parse
 from .policies import make_policy
 from .proxy import Proxy
+from .ratelimit import TokenRates
 from .replicaset import Follower
 from .router import Router
 from .server import Deadlines, HttpServer, Request, Responder, Response
 from .table import R_PID, R_STATE, STATE_READY, LoadTable
+from .tenancy import Classifier
 from .tokens import TokenCounter
 from .upstream import UpstreamPool
 
@@ -62,7 +65,14 @@ class Gateway:
         self.config = config
         # the admission queue's bound is the gateway's: each worker holds its share
         queue = replace(config.queue, max_size=math.ceil(config.queue.max_size / config.workers))
-        self.router = Router(make_policy(config.policy, rng), queue)
+        # priorities and fairness (docs/priority.md): built only when configured, so that otherwise nothing runs
+        ordered = config.priority.enabled or config.tenants.fair
+        self.router = Router(make_policy(config.policy, rng), queue,
+                             order=PriorityOrder(config.tenants.fair) if ordered else None)
+        self._classifier = (Classifier(config.priority, config.tenants)
+                            if config.priority.enabled or config.tenants.enabled else None)
+        rates = TokenRates(config.tenants, config.workers)
+        self._rates = rates if rates.limited else None
         own = table is None
         self.table = table if table is not None else LoadTable.create(rows=2)
         self.row = row
@@ -178,7 +188,16 @@ class Gateway:
     # -- routes -----------------------------------------------------------------------------------------------
     def _generation(self, endpoint: str) -> Route:
         async def handle(request: Request, responder: Responder, request_id: str) -> Response | None:
-            info = parse(request.body, endpoint, self.counter, self.config.default_max_tokens, self.router.check_model)
+            classifier = self._classifier
+            info = parse(request.body, endpoint, self.counter, self.config.default_max_tokens, self.router.check_model,
+                         priority=classifier is not None)
+            if classifier is not None:
+                classified = classifier.classify(request, info)
+                info = classified.info
+                if classified.body is not request.body:
+                    request = replace(request, body=classified.body)
+                if self._rates is not None:
+                    self._rates.take(info)
             assert self.proxy is not None
             return await self.proxy.forward(request, responder, info, request_id)
         return handle

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import msgspec
 
 from .affinity import completion_key, explicit_key, key_hash
+from .config import PRIORITY_RANGE
 from .errors import GatewayError, bad_request
 from .tokens import BYTES_PER_TOKEN, CHAT_TOKENS_PER_MESSAGE, Count, TokenCounter
 
@@ -25,6 +26,8 @@ class RequestInfo:
     prefix: int = 0  # the prompt prefix's affinity key (gateway/affinity.py); 0: none
     prefix_tokens: int = 0  # prompt tokens earlier requests with this key are expected to have left cached
     prefix_guessed: bool = False  # the key is a guess (a completions head): it means something once it recurs
+    priority: int | None = None  # lower is served sooner (vLLM's convention); None: none given (parse: the body's)
+    tenant: str = ""  # who it is for, when tenants are configured (gateway/tenancy.py); "": anonymous
 
 
 def load_json(raw: bytes) -> dict[str, Any]:
@@ -129,17 +132,35 @@ def chat_prompt(messages: Any, count: Callable[[str], int]) -> tuple[int, int, i
     return total, key, total - system - tokens  # history: the opening message and what followed, not the new one
 
 
+def _priority(body: dict[str, Any]) -> int | None:
+    value = body.get("priority")
+    if value is None:
+        return None
+    lo, hi = PRIORITY_RANGE
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise bad_request(f"'priority' must be an integer in {lo}..{hi} (lower is served sooner), got "
+                          f"{json.dumps(value)[:64]}", "priority")
+    return value
+
+
 def parse(raw: bytes, endpoint: str, counter: TokenCounter, default_max_tokens: int,
-          check_model: Callable[[str], None] | None = None) -> RequestInfo:
+          check_model: Callable[[str], None] | None = None, priority: bool = False) -> RequestInfo:
     """Parse a /v1/completions, /v1/chat/completions or /v1/embeddings body.
 
-    `check_model` may refuse the model (404) before any work that depends on it.
+    `check_model` may refuse the model (404) before any work that depends on it. `priority`: read the body's
+    `priority` (vLLM's field) into `RequestInfo.priority`, checked; otherwise it is left to the replica.
     """
     body = load_json(raw)
     model = _model(body)
     if check_model is not None:
         check_model(model)
-    count = counter.counter(model, len(raw))
+    info = _parse(body, len(raw), model, endpoint, counter, default_max_tokens)
+    return replace(info, priority=_priority(body)) if priority else info
+
+
+def _parse(body: dict[str, Any], size: int, model: str, endpoint: str, counter: TokenCounter,
+           default_max_tokens: int) -> RequestInfo:
+    count = counter.counter(model, size)
     if endpoint == "embeddings":
         if "input" not in body:
             raise bad_request("you must provide an input parameter", "input")
