@@ -68,7 +68,7 @@ class Gateway:
         # priorities and fairness (docs/priority.md): built only when configured, so that otherwise nothing runs
         ordered = config.priority.enabled or config.tenants.fair
         self.router = Router(make_policy(config.policy, rng), queue,
-                             order=PriorityOrder(config.tenants.fair) if ordered else None)
+                             order=PriorityOrder(config.tenants.fair, config.queue.headroom) if ordered else None)
         self._classifier = (Classifier(config.priority, config.tenants)
                             if config.priority.enabled or config.tenants.enabled else None)
         rates = TokenRates(config.tenants, config.workers)

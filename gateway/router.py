@@ -104,11 +104,16 @@ class Router:
         cost = info.prompt_tokens + info.max_tokens
         for replica in candidates:
             replica.refresh()
-        open_ = [r for r in candidates if r.has_room(cost)]
+        order = self.order
+        if order is None:
+            open_ = [r for r in candidates if r.has_room(cost)]
+        else:
+            reserve = order.reserve(info)
+            open_ = [r for r in candidates if r.has_room(cost, reserve)]
         if not open_:
             return None
-        if self.order is not None:
-            self.order.charge(info)
+        if order is not None:
+            order.charge(info)
         return Lease(self.policy.pick(open_, info), info, self.wake)
 
     def lease_now(self, info: RequestInfo, exclude: frozenset[str] = frozenset()) -> Lease | None:
@@ -221,13 +226,13 @@ class Router:
 
     def _wake_ordered(self, order: QueueOrder) -> None:
         """`wake` in the order's order, asked afresh after each lease (a lease changes its tenant's place)."""
-        blocked: set[tuple[str, frozenset[str]]] = set()
+        blocked: set[tuple[str, frozenset[str], int]] = set()  # a waiter kept out of the headroom blocks only its kind
         for waiter in [w for w in self._waiters if w.future.done()]:
             self._leave(waiter)
         while True:
             best, best_key = None, None
             for waiter in self._waiters:
-                if (waiter.info.model, waiter.exclude) in blocked:
+                if (waiter.info.model, waiter.exclude, order.reserve(waiter.info)) in blocked:
                     continue
                 key = order.key(waiter.info, waiter.seq)
                 if best_key is None or key < best_key:
@@ -241,7 +246,7 @@ class Router:
                 self._leave(best)
                 continue
             if lease is None:
-                blocked.add((best.info.model, best.exclude))
+                blocked.add((best.info.model, best.exclude, order.reserve(best.info)))
             else:
                 best.future.set_result(lease)
                 self._leave(best)

@@ -126,6 +126,56 @@ async def test_a_full_queue_gives_an_urgent_newcomer_the_least_urgent_place() ->
     assert r.queue_depth == 0
 
 
+async def test_headroom_keeps_a_slot_for_a_tenant_with_nothing_queued() -> None:
+    """A tenant with several queued leaves `headroom` slots free; another tenant's request takes one at once."""
+    r = Router(make_policy("least_outstanding_tokens"), QueueConfig(max_size=50, max_wait_s=5),
+               [ReplicaConfig(url="http://r0:8000", max_requests=4)], order=PriorityOrder(fair=True, headroom=1))
+    replica = next(iter(r.replicas.values()))
+    replica.healthy, replica.models = True, frozenset({"m"})
+    heavy = [asyncio.create_task(r.acquire(info("heavy"))) for _ in range(6)]
+    await settle()
+    assert replica.inflight == 4 and r.queue_depth == 2
+    heavy[0].result().release()
+    await settle()
+    assert replica.inflight == 3 and r.queue_depth == 2  # the freed slot is kept: heavy has two queued
+    light = asyncio.create_task(r.acquire(info("light")))
+    await settle()
+    assert light.done() and replica.inflight == 4
+    light.result().release()
+    for task in heavy[1:4]:
+        task.result().release()
+    await settle()
+    assert all(t.done() for t in heavy) and replica.inflight == 2  # the last heavy one may take the headroom
+    for task in heavy[4:]:
+        task.result().release()
+
+
+async def test_headroom_goes_to_the_more_urgent_band() -> None:
+    """A band with several queued may use the headroom while a less urgent band is queued behind it."""
+    order = PriorityOrder(fair=False, headroom=2)
+    r = Router(make_policy("least_outstanding_tokens"), QueueConfig(max_size=50, max_wait_s=5),
+               [ReplicaConfig(url="http://r0:8000", max_requests=4)], order=order)
+    replica = next(iter(r.replicas.values()))
+    replica.healthy, replica.models = True, frozenset({"m"})
+    held = [r.try_acquire(info()) for _ in range(4)]
+    batch = [asyncio.create_task(r.acquire(info("b", 10))) for _ in range(3)]
+    urgent = [asyncio.create_task(r.acquire(info("i", 0))) for _ in range(2)]
+    await settle()
+    assert order.reserve(info("i", 0)) == 0 and order.reserve(info("b", 10)) == 2
+    for lease in held[:2]:
+        lease.release()  # type: ignore[union-attr]
+    await settle()
+    assert all(t.done() for t in urgent) and not any(t.done() for t in batch)
+    for lease in held[2:]:
+        lease.release()  # type: ignore[union-attr]
+    for task in urgent:
+        task.result().release()
+    await settle()
+    for task in batch:
+        task.result().release()
+    assert r.queue_depth == 0
+
+
 async def test_abandoned_waiters_leave_the_tenant_books_clean() -> None:
     """A waiter that times out or is cancelled leaves the queue and its tenant's waiting count."""
     order = PriorityOrder(fair=True)
