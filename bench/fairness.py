@@ -92,7 +92,7 @@ def run(records: list[TenantRecord], order: PriorityOrder | None, seed: int) -> 
 
 
 def p99_ttft(records: list[TenantRecord], tenants: set[str]) -> float:
-    ttft = np.array([r.first_token - r.arrival for r in records  # type: ignore[operator]
+    ttft = np.array([r.first_token - r.arrival for r in records
                      if r.tenant in tenants and r.first_token is not None])
     return pct(ttft, 99)
 
@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"seed {seed}: {json.dumps(results['seeds'][seed])}", flush=True)
 
     def median(case: str, key: str) -> float:
-        return statistics.median(s[case][key] for s in results["seeds"].values())
+        return float(statistics.median(s[case][key] for s in results["seeds"].values()))
 
     passed = True
     for case, others, modes, what in (("tenants", "light tenants", ("fifo", "fair", "fair_headroom"), "heavy"),

@@ -392,3 +392,16 @@ async def test_off_by_default_bodies_and_headers_pass_untouched(fake_replica: Fa
         answer = await client.post("/completions", content=raw,
                                    headers={"x-priority": "nonsense", "content-type": "application/json"})
     assert answer.status_code == 200 and fake.stats.bodies[0]["priority"] == 3
+
+
+def test_fairness_benchmark_runs_and_fairness_helps() -> None:
+    """bench.fairness in miniature (20 simulated seconds, one seed): fair with headroom beats first come first served."""
+    from bench.fairness import capacity, priority_case, saturation_sample, sharegpt_like, spec, tenants_case
+    import numpy as np
+
+    node = spec()
+    cap = capacity(node, saturation_sample(node, sharegpt_like(2000, np.random.default_rng(0))))
+    tenants, priority = tenants_case(cap, 20.0, 0), priority_case(cap, 20.0, 0)
+    assert tenants["fair_headroom"] <= tenants["fair"] < tenants["fifo"] / 4
+    assert priority["priority_headroom"] <= priority["priority"] < priority["fifo"] / 4
+    assert tenants["fair_headroom"] < 2 * tenants["alone"] and priority["priority_headroom"] < 2 * priority["alone"]
