@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -154,17 +154,12 @@ def parse(raw: bytes, endpoint: str, counter: TokenCounter, default_max_tokens: 
     model = _model(body)
     if check_model is not None:
         check_model(model)
-    info = _parse(body, len(raw), model, endpoint, counter, default_max_tokens)
-    return replace(info, priority=_priority(body)) if priority else info
-
-
-def _parse(body: dict[str, Any], size: int, model: str, endpoint: str, counter: TokenCounter,
-           default_max_tokens: int) -> RequestInfo:
-    count = counter.counter(model, size)
+    given = _priority(body) if priority else None
+    count = counter.counter(model, len(raw))
     if endpoint == "embeddings":
         if "input" not in body:
             raise bad_request("you must provide an input parameter", "input")
-        return RequestInfo(model, _text_tokens(body["input"], count, "input"), 0, False)
+        return RequestInfo(model, _text_tokens(body["input"], count, "input"), 0, False, priority=given)
     stream = _stream(body)
     n = _int_field(body, "n", 1) or 1
     if endpoint == "chat":
@@ -182,7 +177,7 @@ def _parse(body: dict[str, Any], size: int, model: str, endpoint: str, counter: 
     budget = default_max_tokens if per_choice is None else per_choice
     explicit = explicit_key(body)
     guessed = endpoint != "chat" and not explicit and prefix != 0
-    return RequestInfo(model, prompt_tokens, budget * n, stream, explicit or prefix, cached, guessed)
+    return RequestInfo(model, prompt_tokens, budget * n, stream, explicit or prefix, cached, guessed, given)
 
 
 def other_info(raw: bytes) -> RequestInfo:
