@@ -15,7 +15,7 @@ from gateway.errors import GatewayError
 from gateway.fairqueue import PriorityOrder
 from gateway.parsing import RequestInfo
 from gateway.policies import make_policy
-from gateway.ratelimit import TokenRates
+from gateway.ratelimit import Rate, TokenRates
 from gateway.router import Router
 from gateway.server import Request
 from gateway.tenancy import Classifier, key_tenant
@@ -395,7 +395,7 @@ async def test_off_by_default_bodies_and_headers_pass_untouched(fake_replica: Fa
 
 
 def test_fairness_benchmark_runs_and_fairness_helps() -> None:
-    """bench.fairness in miniature (20 simulated seconds, one seed): fair with headroom beats first come first served."""
+    """bench.fairness in miniature (20 simulated seconds, one seed): fair with headroom beats FIFO."""
     from bench.fairness import capacity, priority_case, saturation_sample, sharegpt_like, spec, tenants_case
     import numpy as np
 
@@ -405,3 +405,31 @@ def test_fairness_benchmark_runs_and_fairness_helps() -> None:
     assert tenants["fair_headroom"] <= tenants["fair"] < tenants["fifo"] / 4
     assert priority["priority_headroom"] <= priority["priority"] < priority["fifo"] / 4
     assert tenants["fair_headroom"] < 2 * tenants["alone"] and priority["priority_headroom"] < 2 * priority["alone"]
+
+
+def test_the_worked_example_in_the_docs_holds() -> None:
+    """docs/priority.md's example config loads, and its keys get the priorities and tenants the text says."""
+    import re
+    from pathlib import Path
+
+    import yaml
+
+    text = (Path(__file__).resolve().parent.parent / "docs" / "priority.md").read_text()
+    block = re.search(r"```yaml\n(.*?)```", text, re.S)
+    assert block is not None
+    config = from_mapping(yaml.safe_load(block.group(1)))
+    classifier = Classifier(config.priority, config.tenants)
+    plain = RequestInfo("m", 1, 1, False)
+
+    def got(key: str, **headers: str) -> RequestInfo:
+        return classifier.classify(request(authorization=f"Bearer {key}", **headers), plain).info
+
+    assert (got("sk-chat-app").priority, got("sk-chat-app").tenant) == (0, "chat")
+    assert (got("sk-team-a", x_priority="batch").priority, got("sk-team-a").tenant) == (10, "team-a")
+    assert got("sk-nightly").priority == 10
+    with pytest.raises(GatewayError) as exc:
+        got("sk-nightly", x_priority="interactive")
+    assert exc.value.status == 403 and exc.value.code == "priority_not_allowed"
+    rates = TokenRates(config.tenants)
+    assert rates.rate_of("team-a") == Rate(5000, 50000) and rates.rate_of("chat") == Rate(20000, 200000)
+    assert config.queue.headroom == 8 and config.priority.pass_on and config.tenants.fair
