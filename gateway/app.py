@@ -197,7 +197,11 @@ class Gateway:
                 if classified.body is not request.body:
                     request = replace(request, body=classified.body)
                 if self._rates is not None:
-                    self._rates.take(info)
+                    try:
+                        self._rates.take(info)
+                    except GatewayError:
+                        self.metrics.rejections.labels("tenant_token_rate").inc()
+                        raise
             assert self.proxy is not None
             return await self.proxy.forward(request, responder, info, request_id)
         return handle

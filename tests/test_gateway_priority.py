@@ -378,6 +378,8 @@ async def test_gateway_rate_limit_and_bad_input(fake_replica: FakeFactory, gatew
         assert typed.status_code == 400 and "'priority' must be an integer" in typed.json()["error"]["message"]
         assert (await send("b", priority=-1)).status_code == 403
         assert (await send("b", headers={"x-priority": "batch"})).status_code == 200
+        metrics = (await client.get(gw.url + "/metrics")).text
+        assert 'gateway_rejections_total{reason="tenant_token_rate"} 1.0' in metrics
     assert len(fake.stats.bodies) == 3 and all("priority" not in b for b in fake.stats.bodies)
 
 
