@@ -22,16 +22,19 @@ from .config import GatewayConfig
 from .control import ControlPlane
 from .discovery import Resolver
 from .errors import GatewayError
+from .fairqueue import PriorityOrder
 from .health import HealthChecker
 from .lora import AdapterRouter, SharedHoldings, VllmAdapterApi, upstream_headers
 from .metrics import Metrics
 from .parsing import other_info, parse
 from .policies import make_policy
 from .proxy import Proxy
+from .ratelimit import TokenRates
 from .replicaset import Follower
 from .router import Router
 from .server import Deadlines, HttpServer, Request, Responder, Response
 from .table import R_PID, R_STATE, STATE_READY, LoadTable
+from .tenancy import Classifier
 from .tokens import TokenCounter
 from .tracing import Tracing, make_tracing
 from .upstream import UpstreamPool
@@ -68,11 +71,18 @@ class Gateway:
         # the admission queue's bound is the gateway's: each worker holds its share
         queue = replace(config.queue, max_size=math.ceil(config.queue.max_size / config.workers))
         models = config.model_map()
+        # priorities and fairness (docs/priority.md): built only when configured, so that otherwise nothing runs
+        ordered = config.priority.enabled or config.tenants.fair
         self.router = Router(
             make_policy(config.policy, rng), queue,
             model_policies={name: make_policy(m.policy, rng) for name, m in models.items() if m.policy},
             model_queues={name: replace(m.queue, max_size=math.ceil(m.queue.max_size / config.workers))
-                          for name, m in models.items() if m.queue is not None})
+                          for name, m in models.items() if m.queue is not None},
+            order=PriorityOrder(config.tenants.fair, config.queue.headroom) if ordered else None)
+        self._classifier = (Classifier(config.priority, config.tenants)
+                            if config.priority.enabled or config.tenants.enabled else None)
+        rates = TokenRates(config.tenants, config.workers)
+        self._rates = rates if rates.limited else None
         own = table is None
         self.table = table if table is not None else LoadTable.create(rows=2)
         self.row = row
@@ -211,16 +221,24 @@ class Gateway:
     # -- routes -----------------------------------------------------------------------------------------------
     def _generation(self, endpoint: str) -> Route:
         async def handle(request: Request, responder: Responder, request_id: str) -> Response | None:
-            adapters = self.adapters
-            if adapters is not None:
-                info = parse(request.body, endpoint, self.counter, self.config.default_max_tokens,
-                             adapters.check_model)
-                assert self.proxy is not None
-                acquire = adapters.acquire if info.model in adapters.registry else None
-                return await self.proxy.forward(request, responder, info, request_id, acquire)
-            info = parse(request.body, endpoint, self.counter, self.config.default_max_tokens, self.router.check_model)
+            adapters, classifier = self.adapters, self._classifier
+            check = adapters.check_model if adapters is not None else self.router.check_model
+            info = parse(request.body, endpoint, self.counter, self.config.default_max_tokens, check,
+                         priority=classifier is not None)
+            if classifier is not None:
+                classified = classifier.classify(request, info)
+                info = classified.info
+                if classified.body is not request.body:
+                    request = replace(request, body=classified.body)
+                if self._rates is not None:
+                    try:
+                        self._rates.take(info)
+                    except GatewayError:
+                        self.metrics.rejections.labels("tenant_token_rate").inc()
+                        raise
+            acquire = adapters.acquire if adapters is not None and info.model in adapters.registry else None
             assert self.proxy is not None
-            return await self.proxy.forward(request, responder, info, request_id)
+            return await self.proxy.forward(request, responder, info, request_id, acquire)
         return handle
 
     async def _other_v1(self, request: Request, responder: Responder, request_id: str) -> Response | None:

@@ -18,6 +18,8 @@ YAML (every key optional; flags given on the command line win over the file):
     health: {interval_s: 2, timeout_s: 2}
     retry: {max_attempts: 3, max_time_s: 10}
     queue: {max_size: 0, max_wait_s: 30}  # max_size 0: no admission queue (429 when every replica is at its cap)
+                                          # headroom: 0 (with priority/fairness: slots per replica kept free for
+                                          # tenants and bands within their share, docs/priority.md)
     max_body_bytes: 4194304
     workers: 1                            # worker processes on the one port; auto: one per CPU available
     feedback: {enabled: false, interval_s: 0.5, timeout_s: 1}  # blend in each replica's own load (vLLM /metrics)
@@ -45,6 +47,18 @@ YAML (every key optional; flags given on the command line win over the file):
       load_timeout_s: 60                  # the longest a request waits for its adapter to be loaded
       sync_s: 10                          # how often each replica's /v1/models is read for its adapters
       slack_tokens: 4096                  # a holder wins while within this many outstanding tokens of the best
+    priority:                             # off unless enabled (docs/priority.md); vLLM's convention: lower is sooner
+      enabled: false
+      header: x-priority                  # a request's priority: this header (an integer or a band's name) or the
+      default: 0                          # body's `priority`; the default, and the most urgent a client may ask for
+      bands: {interactive: 0, batch: 10}  # names a header may give
+      pass_on: false                      # replicas run --scheduling-policy priority: the body carries the priority
+    tenants:                              # off unless fair or a rate is set
+      fair: false                         # within a priority, share the queue by tokens served (VTC)
+      header: null                        # the tenant is this header's value; null: the API key
+      tokens_per_s: null                  # each tenant's token rate (prompt + max_tokens), 429 + Retry-After past it
+      burst: null                         # tokens a tenant may take at once (default: 10 s of its rate)
+      keys: {sk-client-1: {name: acme, priority: 0, tokens_per_s: 5000, burst: 50000}}
 """
 
 from __future__ import annotations
@@ -192,10 +206,13 @@ class QueueConfig:
 
     max_size: int = 0
     max_wait_s: float = 30.0
+    headroom: int = 0  # with priority or fairness on: slots per replica kept for kinds with nothing queued
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_size, int) or isinstance(self.max_size, bool) or self.max_size < 0:
             raise ConfigError(f"queue.max_size must be an integer >= 0, got {self.max_size!r}")
+        if not isinstance(self.headroom, int) or isinstance(self.headroom, bool) or self.headroom < 0:
+            raise ConfigError(f"queue.headroom must be an integer >= 0, got {self.headroom!r}")
         _positive("queue.max_wait_s", self.max_wait_s)
 
 
@@ -315,6 +332,102 @@ def _adapter(name: object, value: object) -> AdapterSpec:
     raise ConfigError(f"lora adapter {name!r} must be a path, or a mapping with path (and base), got {value!r}")
 
 
+PRIORITY_RANGE = (-(2 ** 31), 2 ** 31 - 1)  # vLLM's `priority` is a 32-bit int in practice; any int fits its schema
+
+
+def _priority(name: str, value: object) -> int:
+    lo, hi = PRIORITY_RANGE
+    if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
+        raise ConfigError(f"{name} must be an integer in {lo}..{hi}, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class PriorityConfig:
+    """Request priorities (vLLM's convention: a lower value is served sooner); off unless `enabled`."""
+
+    enabled: bool = False
+    header: str = "x-priority"
+    default: int = 0
+    bands: tuple[tuple[str, int], ...] = ()
+    pass_on: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.enabled, bool) or not isinstance(self.pass_on, bool):
+            raise ConfigError("priority.enabled and priority.pass_on must be true or false")
+        if not isinstance(self.header, str) or not _NAME.fullmatch(self.header):
+            raise ConfigError(f"priority.header must be a header name, got {self.header!r}")
+        object.__setattr__(self, "header", self.header.lower())
+        _priority("priority.default", self.default)
+        bands = dict(self.bands) if isinstance(self.bands, dict) else self.bands
+        if isinstance(bands, dict):
+            bands = tuple(bands.items())
+        for band, value in bands:
+            if not isinstance(band, str) or not _NAME.fullmatch(band) or band.lstrip("-").isdigit():
+                raise ConfigError(f"priority.bands: {band!r} is not a name (letters, digits, '.', '_', '-')")
+            _priority(f"priority.bands.{band}", value)
+        object.__setattr__(self, "bands", tuple(bands))
+
+
+@dataclass(frozen=True)
+class TenantKey:
+    """What one API key means: its tenant's name, its priority (default and most urgent allowed), its rate."""
+
+    name: str | None = None
+    priority: int | None = None
+    tokens_per_s: float | None = None
+    burst: float | None = None
+
+    def check(self, where: str) -> None:
+        if self.name is not None and (not isinstance(self.name, str) or not _NAME.fullmatch(self.name)):
+            raise ConfigError(f"{where}.name must be letters, digits, '.', '_' or '-', got {self.name!r}")
+        if self.priority is not None:
+            _priority(f"{where}.priority", self.priority)
+        for name in ("tokens_per_s", "burst"):
+            if getattr(self, name) is not None:
+                _positive(f"{where}.{name}", getattr(self, name))
+
+
+@dataclass(frozen=True)
+class TenantsConfig:
+    """Who a request is for (its API key, or a header) and what each tenant gets: a fair share, a token rate."""
+
+    fair: bool = False
+    header: str | None = None
+    tokens_per_s: float | None = None
+    burst: float | None = None
+    keys: tuple[tuple[str, TenantKey], ...] = ()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.fair, bool):
+            raise ConfigError(f"tenants.fair must be true or false, got {self.fair!r}")
+        if self.header is not None:
+            if not isinstance(self.header, str) or not _NAME.fullmatch(self.header):
+                raise ConfigError(f"tenants.header must be a header name, got {self.header!r}")
+            object.__setattr__(self, "header", self.header.lower())
+        for name in ("tokens_per_s", "burst"):
+            if getattr(self, name) is not None:
+                _positive(f"tenants.{name}", getattr(self, name))
+        keys = self.keys.items() if isinstance(self.keys, dict) else self.keys
+        built = []
+        for i, (key, item) in enumerate(keys):
+            where = f"tenants.keys[{i}]"  # never the key itself: it is a secret
+            if not isinstance(key, str) or not key:
+                raise ConfigError(f"{where}: API keys must be non-empty strings")
+            if isinstance(item, dict):
+                item = _build(TenantKey, where, item)
+            if not isinstance(item, TenantKey):
+                raise ConfigError(f"{where} must be a mapping of name, priority, tokens_per_s, burst")
+            item.check(where)
+            built.append((key, item))
+        object.__setattr__(self, "keys", tuple(built))
+
+    @property
+    def enabled(self) -> bool:
+        """Whether requests need a tenant at all (fair sharing or a token rate somewhere)."""
+        return self.fair or self.tokens_per_s is not None or any(k.tokens_per_s is not None for _, k in self.keys)
+
+
 def cpu_count() -> int:
     """CPUs this process may use: its affinity, and a cgroup v2 CPU quota where there is one (containers)."""
     count = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
@@ -376,6 +489,8 @@ class GatewayConfig:
     tracing: TracingConfig = field(default_factory=TracingConfig)
     models: tuple[tuple[str, ModelConfig], ...] = ()  # model name -> its own settings
     lora: LoraConfig = field(default_factory=LoraConfig)
+    priority: PriorityConfig = field(default_factory=PriorityConfig)
+    tenants: TenantsConfig = field(default_factory=TenantsConfig)
 
     def __post_init__(self) -> None:
         if not self.replicas and not self.discovery:
@@ -402,6 +517,8 @@ class GatewayConfig:
             raise ConfigError("admin_key must be a non-empty string")
         if self.admin_key is not None and self.admin_key in self.api_keys:
             raise ConfigError("admin_key must not also be a client API key")
+        if self.api_keys and any(k not in self.api_keys for k, _ in self.tenants.keys):
+            raise ConfigError("tenants.keys names a key that api_keys does not list")
         if self.log_level.lower() not in ("debug", "info", "warning", "error"):
             raise ConfigError(f"log_level must be debug, info, warning or error, got {self.log_level!r}")
 
@@ -413,7 +530,8 @@ class GatewayConfig:
 
 
 _SECTIONS = {"timeouts": Timeouts, "health": HealthConfig, "retry": RetryConfig, "queue": QueueConfig,
-             "feedback": FeedbackConfig, "clients": ClientConfig, "tracing": TracingConfig, "lora": LoraConfig}
+             "feedback": FeedbackConfig, "clients": ClientConfig, "tracing": TracingConfig, "lora": LoraConfig,
+             "priority": PriorityConfig, "tenants": TenantsConfig}
 
 
 def _build(cls: type, where: str, data: Any) -> Any:
@@ -486,6 +604,8 @@ def to_mapping(config: GatewayConfig) -> dict[str, Any]:
     for key in ("replicas", "discovery", "api_keys"):
         data[key] = list(data[key])
     data["lora"]["adapters"] = {a.name: {"path": a.path, "base": a.base} for a in config.lora.adapters}
+    data["priority"]["bands"] = dict(config.priority.bands)
+    data["tenants"]["keys"] = {key: asdict(item) for key, item in config.tenants.keys}
     for item, replica in zip(data["replicas"], config.replicas):
         item["speed"] = replica.speed.to_mapping() if replica.speed else None
     return data

@@ -10,6 +10,7 @@ from typing import Any
 import msgspec
 
 from .affinity import completion_key, explicit_key, key_hash
+from .config import PRIORITY_RANGE
 from .errors import GatewayError, bad_request
 from .tokens import BYTES_PER_TOKEN, CHAT_TOKENS_PER_MESSAGE, Count, TokenCounter
 
@@ -25,6 +26,8 @@ class RequestInfo:
     prefix: int = 0  # the prompt prefix's affinity key (gateway/affinity.py); 0: none
     prefix_tokens: int = 0  # prompt tokens earlier requests with this key are expected to have left cached
     prefix_guessed: bool = False  # the key is a guess (a completions head): it means something once it recurs
+    priority: int | None = None  # lower is served sooner (vLLM's convention); None: none given (parse: the body's)
+    tenant: str = ""  # who it is for, when tenants are configured (gateway/tenancy.py); "": anonymous
 
 
 def load_json(raw: bytes) -> dict[str, Any]:
@@ -129,21 +132,34 @@ def chat_prompt(messages: Any, count: Callable[[str], int]) -> tuple[int, int, i
     return total, key, total - system - tokens  # history: the opening message and what followed, not the new one
 
 
+def _priority(body: dict[str, Any]) -> int | None:
+    value = body.get("priority")
+    if value is None:
+        return None
+    lo, hi = PRIORITY_RANGE
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise bad_request(f"'priority' must be an integer in {lo}..{hi} (lower is served sooner), got "
+                          f"{json.dumps(value)[:64]}", "priority")
+    return value
+
+
 def parse(raw: bytes, endpoint: str, counter: TokenCounter, default_max_tokens: int,
-          check_model: Callable[[str], None] | None = None) -> RequestInfo:
+          check_model: Callable[[str], None] | None = None, priority: bool = False) -> RequestInfo:
     """Parse a /v1/completions, /v1/chat/completions or /v1/embeddings body.
 
-    `check_model` may refuse the model (404) before any work that depends on it.
+    `check_model` may refuse the model (404) before any work that depends on it. `priority`: read the body's
+    `priority` (vLLM's field) into `RequestInfo.priority`, checked; otherwise it is left to the replica.
     """
     body = load_json(raw)
     model = _model(body)
     if check_model is not None:
         check_model(model)
+    given = _priority(body) if priority else None
     count = counter.counter(model, len(raw))
     if endpoint == "embeddings":
         if "input" not in body:
             raise bad_request("you must provide an input parameter", "input")
-        return RequestInfo(model, _text_tokens(body["input"], count, "input"), 0, False)
+        return RequestInfo(model, _text_tokens(body["input"], count, "input"), 0, False, priority=given)
     stream = _stream(body)
     n = _int_field(body, "n", 1) or 1
     if endpoint == "chat":
@@ -161,7 +177,7 @@ def parse(raw: bytes, endpoint: str, counter: TokenCounter, default_max_tokens: 
     budget = default_max_tokens if per_choice is None else per_choice
     explicit = explicit_key(body)
     guessed = endpoint != "chat" and not explicit and prefix != 0
-    return RequestInfo(model, prompt_tokens, budget * n, stream, explicit or prefix, cached, guessed)
+    return RequestInfo(model, prompt_tokens, budget * n, stream, explicit or prefix, cached, guessed, given)
 
 
 def other_info(raw: bytes) -> RequestInfo:

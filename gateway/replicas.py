@@ -80,9 +80,11 @@ class Replica:
         """Outstanding tokens relative to capacity: what least-outstanding-tokens compares."""
         return self.outstanding / self.weight
 
-    def has_room(self, cost: int) -> bool:
-        """Whether admission caps let one more request of `cost` tokens in (an idle replica always takes one)."""
-        if self.max_requests is not None and self.inflight >= self.max_requests:
+    def has_room(self, cost: int, reserve: int = 0) -> bool:
+        """Whether admission caps let one more request of `cost` tokens in (an idle replica always takes one),
+        leaving `reserve` of its `max_requests` free (the queue's headroom, gateway/fairqueue.py)."""
+        cap = self.max_requests
+        if cap is not None and self.inflight >= (cap - reserve if reserve < cap else 1):
             return False
         cap = self.max_outstanding_tokens
         if cap is None:

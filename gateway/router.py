@@ -7,6 +7,10 @@ its cap, the request waits in one bounded FIFO queue and goes to whichever repli
 Each candidate's counters are refreshed (summed over every worker's row of the load table) as the pick reads
 them. With several workers each has its own queue; a release in another worker is seen by polling every
 `QUEUE_POLL_S` while requests wait.
+
+With a queue order (gateway/fairqueue.py: priorities, fairness between tenants) waiters are served in its order
+instead of by arrival, and a full queue gives a newcomer of a more urgent priority the place of the least urgent,
+latest waiter (which gets the 429). Without one (the default) nothing of that runs.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from dataclasses import dataclass
 
 from .config import QueueConfig, ReplicaConfig
 from .errors import GatewayError
+from .fairqueue import QueueOrder
 from .parsing import RequestInfo, not_found
 from .policies import Policy
 from .replicas import Lease, Replica
@@ -30,6 +35,7 @@ class _Waiter:
     info: RequestInfo
     exclude: frozenset[str]
     future: asyncio.Future[Lease]
+    seq: int = 0
 
 
 class Router:
@@ -37,13 +43,16 @@ class Router:
 
     def __init__(self, policy: Policy, queue: QueueConfig, replicas: Iterable[ReplicaConfig] = (), *,
                  model_policies: Mapping[str, Policy] | None = None,
-                 model_queues: Mapping[str, QueueConfig] | None = None) -> None:
+                 model_queues: Mapping[str, QueueConfig] | None = None,
+                 order: QueueOrder | None = None) -> None:
         self.policy = policy
         self.queue = queue
         # Several models behind one gateway: a model may have its own policy and its own queue bound and wait,
         # so one model's burst cannot fill the queue that another model's requests wait in.
         self.model_policies = dict(model_policies or {})
         self.model_queues = dict(model_queues or {})
+        self.order = order
+        self._seq = 0
         self.replicas: dict[str, Replica] = {}
         self._waiters: deque[_Waiter] = deque()
         self._poll: asyncio.TimerHandle | None = None
@@ -101,9 +110,16 @@ class Router:
         cost = info.prompt_tokens + info.max_tokens
         for replica in candidates:
             replica.refresh()
-        open_ = [r for r in candidates if r.has_room(cost)]
+        order = self.order
+        if order is None:
+            open_ = [r for r in candidates if r.has_room(cost)]
+        else:
+            reserve = order.reserve(info)
+            open_ = [r for r in candidates if r.has_room(cost, reserve)]
         if not open_:
             return None
+        if order is not None:
+            order.charge(info)
         return Lease(self.model_policies.get(info.model, self.policy).pick(open_, info), info, self.wake)
 
     def lease_now(self, info: RequestInfo, exclude: frozenset[str] = frozenset()) -> Lease | None:
@@ -117,17 +133,21 @@ class Router:
             return lease
         if self._waiters and not self._candidates(info, exclude):
             raise self._no_candidate(info, exclude)
+        model: str | None = info.model
         queue = self.model_queues.get(info.model)
         if queue is None:
-            queue, waiting = self.queue, len(self._waiters)
+            queue, model, waiting = self.queue, None, len(self._waiters)
         else:
             waiting = sum(1 for w in self._waiters if w.info.model == info.model)
-        if waiting >= queue.max_size:
+        if waiting >= queue.max_size and not self._displace(info, model):
             reason = "every replica is at its cap" + (" and the queue is full" if queue.max_size else "")
             raise GatewayError(429, f"{reason}; retry later", code="rate_limit_exceeded",
                                headers={"Retry-After": "1"})
-        waiter = _Waiter(info, exclude, asyncio.get_running_loop().create_future())
+        self._seq += 1
+        waiter = _Waiter(info, exclude, asyncio.get_running_loop().create_future(), self._seq)
         self._waiters.append(waiter)
+        if self.order is not None:
+            self.order.arrive(info)
         self.wake()  # a replica may have room for it already (the queue's head waits for another model)
         self._poll_soon()
         try:
@@ -141,11 +161,31 @@ class Router:
         raise GatewayError(429, f"waited {queue.max_wait_s:g} s in the admission queue; retry later",
                            code="rate_limit_exceeded", headers={"Retry-After": str(math.ceil(queue.max_wait_s))})
 
+    def _displace(self, info: RequestInfo, model: str | None = None) -> bool:
+        """With priorities, make room for `info` by refusing the least urgent, latest waiter if it is less urgent
+        (one of `model`'s when that model has a queue of its own)."""
+        waiters = [w for w in self._waiters if model is None or w.info.model == model]
+        if self.order is None or not waiters:
+            return False
+        worst = max(waiters, key=lambda w: (w.info.priority or 0, w.seq))
+        if (worst.info.priority or 0) <= (info.priority or 0) or worst.future.done():
+            return False
+        worst.future.set_exception(GatewayError(
+            429, "the admission queue is full and a more urgent request took this one's place; retry later",
+            code="rate_limit_exceeded", headers={"Retry-After": "1"}))
+        self._leave(worst)
+        return True
+
+    def _leave(self, waiter: _Waiter) -> None:
+        self._waiters.remove(waiter)
+        if self.order is not None:
+            self.order.leave(waiter.info)
+
     def _abandon(self, waiter: _Waiter) -> None:
         """The waiter gave up: leave the queue, or give back a lease that reached it meanwhile."""
         if not waiter.future.done():
             waiter.future.cancel()
-            self._waiters.remove(waiter)
+            self._leave(waiter)
         elif waiter.future.exception() is None:
             waiter.future.result().release()
 
@@ -172,6 +212,9 @@ class Router:
         """
         if not self._waiters:
             return
+        if self.order is not None:
+            self._wake_ordered(self.order)
+            return
         served = []
         blocked: set[tuple[str, frozenset[str]]] = set()
         for waiter in self._waiters:
@@ -194,3 +237,30 @@ class Router:
                 served.append(waiter)
         for waiter in served:
             self._waiters.remove(waiter)
+
+    def _wake_ordered(self, order: QueueOrder) -> None:
+        """`wake` in the order's order, asked afresh after each lease (a lease changes its tenant's place)."""
+        blocked: set[tuple[str, frozenset[str], int]] = set()  # a waiter kept out of the headroom blocks only its kind
+        for waiter in [w for w in self._waiters if w.future.done()]:
+            self._leave(waiter)
+        while True:
+            best, best_key = None, None
+            for waiter in self._waiters:
+                if (waiter.info.model, waiter.exclude, order.reserve(waiter.info)) in blocked:
+                    continue
+                key = order.key(waiter.info, waiter.seq)
+                if best_key is None or key < best_key:
+                    best, best_key = waiter, key
+            if best is None:
+                return
+            try:
+                lease = self.try_acquire(best.info, best.exclude)
+            except GatewayError as exc:
+                best.future.set_exception(exc)
+                self._leave(best)
+                continue
+            if lease is None:
+                blocked.add((best.info.model, best.exclude, order.reserve(best.info)))
+            else:
+                best.future.set_result(lease)
+                self._leave(best)

@@ -30,6 +30,7 @@ import numpy as np
 from gateway.affinity import PREFIX_BYTES
 from gateway.config import QueueConfig, ReplicaConfig
 from gateway.errors import GatewayError
+from gateway.fairqueue import QueueOrder
 from gateway.parsing import RequestInfo
 from gateway.policies import Policy, make_policy
 from gateway.replicas import Lease, Replica
@@ -171,7 +172,7 @@ class Gateway:
     """The gateway's router over a node's engines (replica i is `http://sim-replica-i`)."""
 
     def __init__(self, node: Node, policy: str | Policy, rng: random.Random, max_requests: int | None = None,
-                 queue: QueueConfig | None = None) -> None:
+                 queue: QueueConfig | None = None, order: QueueOrder | None = None) -> None:
         self.node = node
         self.urls = [f"http://sim-replica-{i}" for i in range(len(node.engines))]
         self.engines = dict(zip(self.urls, node.engines))
@@ -180,7 +181,7 @@ class Gateway:
         configs = [ReplicaConfig(url=u, max_requests=max_requests, max_num_seqs=node.spec.max_num_seqs, speed=speed)
                    for u in self.urls]
         chooser = make_policy(policy, rng) if isinstance(policy, str) else policy
-        self.router = Router(StreamedTokens(chooser, self.engines), queue or QueueConfig(), configs)
+        self.router = Router(StreamedTokens(chooser, self.engines), queue or QueueConfig(), configs, order=order)
         for replica in self.router.replicas.values():
             replica.healthy = True
             replica.models = frozenset({MODEL})
@@ -287,7 +288,7 @@ def run_open_loop(spec: AnySpec, n: int, load: float, policy: str, seed: int = 0
     return summarize(records, gw.node.engines, gw.imbalance)
 
 
-async def _send(gw: Gateway, record: Record) -> None:
+async def send(gw: Gateway, record: Record) -> None:
     """One request through `Router.acquire` (waiting in the admission queue if need be) until it ends."""
     gw.sample_balance()
     try:
@@ -307,7 +308,7 @@ async def _routed(spec: AnySpec, records: list[Record], policy: str | Policy, se
 
     async def one(record: Record) -> None:
         await asyncio.sleep(record.arrival - loop.time())
-        await _send(gw, record)
+        await send(gw, record)
 
     await asyncio.gather(*(one(r) for r in records))
     return summarize(records, gw.node.engines, gw.imbalance)
@@ -367,7 +368,7 @@ async def _conversations(spec: AnySpec, convs: Sequence[Conversation], policy: s
             await asyncio.sleep(due - loop.time())
             record.arrival = loop.time()
             records.append(record)
-            await _send(gw, record)
+            await send(gw, record)
             if record.finished is None:
                 return  # rejected: the user gives up on this chat
             due = record.finished

@@ -1,0 +1,126 @@
+"""The admission queue's order when priorities or fairness are on: priority first, then tenants' tokens served.
+
+Without an order the router's queue is first come, first served (gateway/router.py). With one, a waiter's place is
+`(priority, its tenant's virtual token counter, arrival)`: a lower priority value first (vLLM's convention), and
+within a priority the tenant that has been served the fewest tokens, as in the Virtual Token Counter of Sheng et al.,
+"Fairness in Serving Large Language Models" (OSDI 2024):
+
+- every lease a tenant takes (queued or not) adds its cost to the tenant's counter: prompt tokens plus the output
+  budget, the same tokens the gateway reserves on the replica (the gateway cannot know the output in advance; a
+  budget a client does not use is charged as the reservation it was);
+- a tenant that starts waiting with nobody of its own queued has its counter lifted to the least counter among
+  the tenants waiting (or, with the queue empty, to that of the last tenant to leave it), so a tenant cannot bank
+  credit while idle and then take the replicas over.
+
+Headroom (`queue.headroom`, default 0): the last `headroom` of each replica's `max_requests` are kept for requests
+whose kind (tenant and priority) has nothing else queued, or that are more urgent than another kind queued. A
+tenant or band sending past its share always has requests queued, so it fills replicas only up to
+`max_requests - headroom`; a request of anyone within their share
+then finds a free batch slot at once instead of waiting for one to free (its time to first token stays what it is
+with the pool to itself). It costs `headroom / max_requests` of the batch while a flood lasts: near the throughput
+plateau the planner's batch cap sits on, little throughput.
+
+Counters are kept for the `MAX_TENANTS` most recently seen tenants; a forgotten one starts again at the lift.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Protocol
+
+from .parsing import RequestInfo
+
+
+class QueueOrder(Protocol):
+    """What the router asks of a queue discipline; `key` orders waiters, smallest first."""
+
+    def key(self, info: RequestInfo, seq: int) -> tuple[int, float, int]: ...
+
+    def arrive(self, info: RequestInfo) -> None: ...
+
+    def leave(self, info: RequestInfo) -> None: ...
+
+    def charge(self, info: RequestInfo) -> None: ...
+
+    def reserve(self, info: RequestInfo) -> int: ...
+
+
+class PriorityOrder:
+    """Priority bands, then within each either arrival (fair False) or tokens served per tenant (fair True)."""
+
+    MAX_TENANTS = 65536
+
+    def __init__(self, fair: bool, headroom: int = 0) -> None:
+        self.fair = fair
+        self.headroom = headroom
+        self.counters: OrderedDict[str, float] = OrderedDict()
+        self._waiting: dict[str, int] = {}  # tenants with requests queued, and how many
+        self._kinds: dict[tuple[str, int], int] = {}  # the same by (tenant, priority), for the headroom
+        self._priorities: dict[int, int] = {}  # ... and by priority
+        self._last = 0.0  # the counter of the last tenant to leave the queue
+
+    def key(self, info: RequestInfo, seq: int) -> tuple[int, float, int]:
+        counter = self.counters.get(info.tenant, 0.0) if self.fair else 0.0
+        return info.priority or 0, counter, seq
+
+    def arrive(self, info: RequestInfo) -> None:
+        """`info` starts waiting."""
+        tenant = info.tenant
+        waiting = self._waiting.get(tenant, 0)
+        if self.fair and not waiting:
+            counters = self.counters
+            floor = min((counters.get(t, 0.0) for t in self._waiting), default=self._last)
+            self._set(tenant, max(counters.get(tenant, 0.0), floor))
+        self._waiting[tenant] = waiting + 1
+        priority = info.priority or 0
+        kind = (tenant, priority)
+        self._kinds[kind] = self._kinds.get(kind, 0) + 1
+        self._priorities[priority] = self._priorities.get(priority, 0) + 1
+
+    def reserve(self, info: RequestInfo) -> int:
+        """Slots of each replica `info` must leave free: the headroom if others of its kind are queued too, unless
+        a less urgent kind is queued (then the headroom is kept from that one: its requests come after)."""
+        priority = info.priority or 0
+        if self.headroom and self._kinds.get((info.tenant, priority), 0) > 1 and priority >= max(self._priorities):
+            return self.headroom
+        return 0
+
+    def leave(self, info: RequestInfo) -> None:
+        """`info` leaves the queue: served, refused or gone."""
+        tenant = info.tenant
+        priority = info.priority or 0
+        kind = (tenant, priority)
+        count = self._kinds.get(kind, 0) - 1
+        if count > 0:
+            self._kinds[kind] = count
+        else:
+            self._kinds.pop(kind, None)
+        count = self._priorities.get(priority, 0) - 1
+        if count > 0:
+            self._priorities[priority] = count
+        else:
+            self._priorities.pop(priority, None)
+        waiting = self._waiting.get(tenant, 0) - 1
+        if waiting > 0:
+            self._waiting[tenant] = waiting
+        else:
+            self._waiting.pop(tenant, None)
+            self._last = self.counters.get(tenant, self._last)
+
+    def charge(self, info: RequestInfo) -> None:
+        """`info` got a lease: its tokens count as served to its tenant."""
+        if self.fair:
+            tenant = info.tenant
+            self._set(tenant, self.counters.get(tenant, self._last) + info.prompt_tokens + info.max_tokens)
+
+    def _set(self, tenant: str, value: float) -> None:
+        counters = self.counters
+        counters[tenant] = value
+        counters.move_to_end(tenant)
+        while len(counters) > self.MAX_TENANTS:
+            for oldest in counters:  # the least recently charged tenant that is not waiting (waiting ones stay)
+                if oldest not in self._waiting:
+                    break
+            else:
+                return
+            del counters[oldest]

@@ -1,0 +1,137 @@
+"""Interactive requests alone and under a flood of batch requests, through a gateway: their times to first token.
+
+Shared by tests/test_priority_vllm.py (a real vLLM-CPU replica) and usable by hand against any replica:
+`python -m tests.priority_load --replica http://127.0.0.1:8001 --model tiny-opt`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import numpy as np
+
+from gateway.app import running
+from gateway.config import GatewayConfig, from_mapping
+
+
+@dataclass(frozen=True)
+class Phase:
+    """One phase's interactive times to first token (seconds), and how many batch requests ended and how."""
+
+    ttft: tuple[float, ...]
+    batch_done: int
+    batch_failed: int
+
+    def p(self, q: float) -> float:
+        return float(np.percentile(self.ttft, q))
+
+
+def gateway_config(replica: str, cap: int, headroom: int, ordered: bool = True) -> GatewayConfig:
+    """A gateway holding requests past `cap` in flight on the replica; priorities on (and passed on) if `ordered`."""
+    data: dict[str, Any] = {"replicas": [{"url": replica, "max_requests": cap}], "host": "127.0.0.1", "port": 0,
+                            "queue": {"max_size": 1000, "max_wait_s": 300, "headroom": headroom},
+                            "health": {"interval_s": 1, "timeout_s": 5}}
+    if ordered:
+        data["priority"] = {"enabled": True, "bands": {"interactive": 0, "batch": 10}, "pass_on": True}
+        data["tenants"] = {"fair": True, "header": "x-tenant"}
+    return from_mapping(data)
+
+
+@contextlib.asynccontextmanager
+async def gateway(config: GatewayConfig) -> AsyncIterator[str]:
+    async with running(config, grace_s=1) as (gw, port):
+        assert gw.health is not None
+        await gw.health.probe_all()
+        yield f"http://127.0.0.1:{port}/v1"
+
+
+async def first_token(client: httpx.AsyncClient, model: str, band: str, tenant: str, max_tokens: int) -> float:
+    """Seconds from sending a streamed completion to its first SSE event; raises on a non-200 answer."""
+    body = {"model": model, "prompt": "The quick brown fox jumps over the lazy dog", "max_tokens": max_tokens,
+            "stream": True, "ignore_eos": True}
+    started = time.monotonic()
+    ttft = None
+    async with client.stream("POST", "/completions", json=body,
+                             headers={"x-priority": band, "x-tenant": tenant}) as answer:
+        if answer.status_code != 200:
+            raise RuntimeError(f"{answer.status_code}: {(await answer.aread())[:200]!r}")
+        async for line in answer.aiter_lines():
+            if ttft is None and line.startswith("data:"):
+                ttft = time.monotonic() - started
+    assert ttft is not None
+    return ttft
+
+
+async def phase(base_url: str, model: str, flood: int, samples: int, gap_s: float, batch_tokens: int = 32,
+                interactive_tokens: int = 4) -> Phase:
+    """`samples` interactive requests, one every `gap_s`, while `flood` batch clients send back to back."""
+    stop = asyncio.Event()
+    done = failed = 0
+
+    async def batch_client(client: httpx.AsyncClient, i: int) -> None:
+        nonlocal done, failed
+        while not stop.is_set():
+            try:
+                await first_token(client, model, "batch", "batch", batch_tokens)
+                done += 1
+            except (RuntimeError, httpx.HTTPError):
+                failed += 1
+                await asyncio.sleep(0.1)
+
+    limits = httpx.Limits(max_connections=flood + 8, max_keepalive_connections=flood + 8)
+    async with httpx.AsyncClient(base_url=base_url, timeout=300, limits=limits) as client:
+        flooders = [asyncio.create_task(batch_client(client, i)) for i in range(flood)]
+        if flood:
+            await asyncio.sleep(3.0)  # let the flood fill the replica and the queue
+        ttft = []
+        for _ in range(samples):
+            ttft.append(await first_token(client, model, "interactive", "interactive", interactive_tokens))
+            await asyncio.sleep(gap_s)
+        stop.set()
+        for task in flooders:
+            task.cancel()
+        await asyncio.gather(*flooders, return_exceptions=True)
+    return Phase(tuple(ttft), done, failed)
+
+
+async def compare(replica: str, model: str, cap: int, headroom: int, flood: int, samples: int,
+                  gap_s: float, fifo_samples: int = 5) -> dict[str, Phase]:
+    """Interactive alone, then under the flood with priorities off (first come first served) and on."""
+    out = {}
+    async with gateway(gateway_config(replica, cap, headroom)) as url:
+        out["alone"] = await phase(url, model, 0, samples, gap_s)
+        out["priority"] = await phase(url, model, flood, samples, gap_s)
+    async with gateway(gateway_config(replica, cap, 0, ordered=False)) as url:
+        out["fifo"] = await phase(url, model, flood, fifo_samples, gap_s)  # seconds each: a few show it
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--replica", required=True)
+    parser.add_argument("--model", default="tiny-opt")
+    parser.add_argument("--cap", type=int, default=8)
+    parser.add_argument("--headroom", type=int, default=2)
+    parser.add_argument("--flood", type=int, default=16)
+    parser.add_argument("--samples", type=int, default=20)
+    parser.add_argument("--gap", type=float, default=0.1)
+    parser.add_argument("--fifo-samples", type=int, default=5)
+    args = parser.parse_args()
+    result = asyncio.run(compare(args.replica, args.model, args.cap, args.headroom, args.flood, args.samples,
+                                 args.gap, args.fifo_samples))
+    for name, ph in result.items():
+        print(f"{name:9s} p50 {ph.p(50) * 1e3:7.0f} ms  p90 {ph.p(90) * 1e3:7.0f} ms  p99 {ph.p(99) * 1e3:7.0f} ms  "
+              f"batch done {ph.batch_done} failed {ph.batch_failed}")
+    print(json.dumps({k: v.ttft for k, v in result.items()}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,437 @@
+"""Priorities and fairness between tenants: the queue's order, token rates, and bad input (docs/priority.md)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import httpx
+import pytest
+
+from gateway.config import ConfigError, GatewayConfig, PriorityConfig, QueueConfig, ReplicaConfig, TenantsConfig, \
+    from_mapping, to_mapping
+from gateway.errors import GatewayError
+from gateway.fairqueue import PriorityOrder
+from gateway.parsing import RequestInfo
+from gateway.policies import make_policy
+from gateway.ratelimit import Rate, TokenRates
+from gateway.router import Router
+from gateway.server import Request
+from gateway.tenancy import Classifier, key_tenant
+from tests.conftest import FakeFactory, GatewayFactory
+
+
+def router(order: PriorityOrder | None, max_size: int = 50) -> Router:
+    r = Router(make_policy("least_outstanding_tokens"), QueueConfig(max_size=max_size, max_wait_s=5),
+               [ReplicaConfig(url="http://r0:8000", max_requests=1)], order=order)
+    for replica in r.replicas.values():
+        replica.healthy, replica.models = True, frozenset({"m"})
+    return r
+
+
+def info(tenant: str = "", priority: int = 0, tokens: int = 100) -> RequestInfo:
+    return RequestInfo("m", tokens // 2, tokens - tokens // 2, True, priority=priority, tenant=tenant)
+
+
+async def settle() -> None:
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+async def served_order(r: Router, infos: list[RequestInfo]) -> list[int]:
+    """Queue `infos` behind a held slot, then free the slot one request at a time: the order they got it."""
+    held = r.try_acquire(info())
+    assert held is not None
+    tasks = [asyncio.create_task(r.acquire(i)) for i in infos]
+    await settle()
+    order = []
+    lease = held
+    for _ in infos:
+        lease.release()
+        await settle()
+        done = [k for k, t in enumerate(tasks) if t.done() and k not in order]
+        assert len(done) == 1
+        order.append(done[0])
+        lease = tasks[done[0]].result()
+    lease.release()
+    return order
+
+
+async def test_without_an_order_the_queue_is_first_come_first_served() -> None:
+    """Off (the default), priorities and tenants change nothing: arrival order."""
+    infos = [info("a", 5), info("b", 0), info("a", -3)]
+    assert await served_order(router(None), infos) == [0, 1, 2]
+
+
+async def test_a_lower_priority_value_is_served_first_then_arrival() -> None:
+    """vLLM's convention: the lowest value first; equal priorities by arrival."""
+    infos = [info("a", 10), info("a", 0), info("b", 10), info("b", -1), info("c", 0)]
+    assert await served_order(router(PriorityOrder(fair=False)), infos) == [3, 1, 4, 0, 2]
+
+
+async def test_fair_queue_alternates_tenants_by_tokens_served() -> None:
+    """A tenant with many queued requests does not hold back one with few: tokens served decide, not arrival."""
+    infos = [info("heavy") for _ in range(4)] + [info("light"), info("light")]
+    order = await served_order(router(PriorityOrder(fair=True)), infos)
+    assert order.index(4) <= 2 and order.index(5) <= 4  # light interleaves with heavy instead of waiting for all 4
+
+
+async def test_fairness_counts_tokens_not_requests() -> None:
+    """A tenant sending big requests gets fewer of them through than one sending small ones."""
+    infos = [info("big", tokens=1000) for _ in range(3)] + [info("small", tokens=100) for _ in range(6)]
+    order = await served_order(router(PriorityOrder(fair=True)), infos)
+    assert set(order[:7]) >= {3, 4, 5, 6, 7, 8}  # all six small ones go before the second big one
+
+
+def test_an_idle_tenant_cannot_bank_credit() -> None:
+    """A tenant that starts waiting is lifted to the least counter among those waiting (VTC)."""
+    order = PriorityOrder(fair=True)
+    for _ in range(10):
+        order.charge(info("busy"))  # served 1,000 tokens while the queue was empty
+    order.arrive(info("busy"))
+    order.arrive(info("new"))
+    assert order.counters["new"] == order.counters["busy"] == 1000
+    assert order.key(info("new"), 2) > order.key(info("busy"), 1)
+
+
+async def test_priority_wins_over_fairness() -> None:
+    """Fair sharing is within a priority: a more urgent request goes first whatever its tenant was served."""
+    r = router(PriorityOrder(fair=True))
+    for _ in range(5):
+        r.try_acquire(info("urgent")).release()  # type: ignore[union-attr]
+    assert await served_order(r, [info("other", 5), info("urgent", 0)]) == [1, 0]
+
+
+async def test_a_full_queue_gives_an_urgent_newcomer_the_least_urgent_place() -> None:
+    """At the bound, the latest least urgent waiter gets the 429; an equally urgent newcomer gets it itself."""
+    r = router(PriorityOrder(fair=False), max_size=2)
+    held = r.try_acquire(info())
+    batch = [asyncio.create_task(r.acquire(info("b", 10))) for _ in range(2)]
+    await settle()
+    urgent = asyncio.create_task(r.acquire(info("i", 0)))
+    await settle()
+    with pytest.raises(GatewayError) as displaced:
+        await batch[1]
+    assert displaced.value.status == 429 and displaced.value.headers["Retry-After"] == "1"
+    with pytest.raises(GatewayError) as full:
+        await r.acquire(info("b", 10))
+    assert full.value.status == 429
+    held.release()  # type: ignore[union-attr]
+    await settle()
+    assert urgent.done() and not batch[0].done()
+    urgent.result().release()
+    await settle()
+    batch[0].result().release()
+    assert r.queue_depth == 0
+
+
+async def test_headroom_keeps_a_slot_for_a_tenant_with_nothing_queued() -> None:
+    """A tenant with several queued leaves `headroom` slots free; another tenant's request takes one at once."""
+    r = Router(make_policy("least_outstanding_tokens"), QueueConfig(max_size=50, max_wait_s=5),
+               [ReplicaConfig(url="http://r0:8000", max_requests=4)], order=PriorityOrder(fair=True, headroom=1))
+    replica = next(iter(r.replicas.values()))
+    replica.healthy, replica.models = True, frozenset({"m"})
+    heavy = [asyncio.create_task(r.acquire(info("heavy"))) for _ in range(6)]
+    await settle()
+    assert replica.inflight == 4 and r.queue_depth == 2
+    heavy[0].result().release()
+    await settle()
+    assert replica.inflight == 3 and r.queue_depth == 2  # the freed slot is kept: heavy has two queued
+    light = asyncio.create_task(r.acquire(info("light")))
+    await settle()
+    assert light.done() and replica.inflight == 4
+    light.result().release()
+    for task in heavy[1:4]:
+        task.result().release()
+    await settle()
+    assert all(t.done() for t in heavy) and replica.inflight == 2  # the last heavy one may take the headroom
+    for task in heavy[4:]:
+        task.result().release()
+
+
+async def test_headroom_goes_to_the_more_urgent_band() -> None:
+    """A band with several queued may use the headroom while a less urgent band is queued behind it."""
+    order = PriorityOrder(fair=False, headroom=2)
+    r = Router(make_policy("least_outstanding_tokens"), QueueConfig(max_size=50, max_wait_s=5),
+               [ReplicaConfig(url="http://r0:8000", max_requests=4)], order=order)
+    replica = next(iter(r.replicas.values()))
+    replica.healthy, replica.models = True, frozenset({"m"})
+    held = [r.try_acquire(info()) for _ in range(4)]
+    batch = [asyncio.create_task(r.acquire(info("b", 10))) for _ in range(3)]
+    urgent = [asyncio.create_task(r.acquire(info("i", 0))) for _ in range(2)]
+    await settle()
+    assert order.reserve(info("i", 0)) == 0 and order.reserve(info("b", 10)) == 2
+    for lease in held[:2]:
+        lease.release()  # type: ignore[union-attr]
+    await settle()
+    assert all(t.done() for t in urgent) and not any(t.done() for t in batch)
+    for lease in held[2:]:
+        lease.release()  # type: ignore[union-attr]
+    for task in urgent:
+        task.result().release()
+    await settle()
+    for task in batch:
+        task.result().release()
+    assert r.queue_depth == 0
+
+
+async def test_abandoned_waiters_leave_the_tenant_books_clean() -> None:
+    """A waiter that times out or is cancelled leaves the queue and its tenant's waiting count."""
+    order = PriorityOrder(fair=True)
+    r = router(order)
+    held = r.try_acquire(info())
+    task = asyncio.create_task(r.acquire(info("t")))
+    await settle()
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    assert r.queue_depth == 0 and not order._waiting
+    held.release()  # type: ignore[union-attr]
+
+
+# -- token rates -----------------------------------------------------------------------------------------------
+def test_token_rate_answers_429_with_retry_after() -> None:
+    """Past its bucket, a tenant gets 429 and Retry-After the seconds its tokens need to come back."""
+    now = [0.0]
+    rates = TokenRates(TenantsConfig(tokens_per_s=100, burst=300), clock=lambda: now[0])
+    for _ in range(3):
+        rates.take(info("a", tokens=100))
+    with pytest.raises(GatewayError) as exc:
+        rates.take(info("a", tokens=100))
+    assert exc.value.status == 429 and exc.value.headers["Retry-After"] == "1"
+    assert exc.value.code == "rate_limit_exceeded"
+    rates.take(info("b", tokens=100))  # other tenants have their own bucket
+    now[0] = 1.0
+    rates.take(info("a", tokens=100))
+
+
+def test_a_request_larger_than_the_burst_waits_for_a_full_bucket() -> None:
+    """A request costing more than the burst goes through on a full bucket and leaves it in debt."""
+    now = [0.0]
+    rates = TokenRates(TenantsConfig(tokens_per_s=100, burst=100), clock=lambda: now[0])
+    rates.take(info("a", tokens=500))
+    with pytest.raises(GatewayError) as exc:
+        rates.take(info("a", tokens=10))
+    assert exc.value.headers["Retry-After"] == "5"  # 400 tokens of debt, then 10 more, at 100/s
+
+
+def test_per_key_rates_and_worker_share() -> None:
+    """A key's own rate applies to the tenant it names; with N workers each holds 1/N of the rate."""
+    config = TenantsConfig(tokens_per_s=1000, keys={"sk-a": {"name": "acme", "tokens_per_s": 10}, "sk-b": {
+        "tokens_per_s": 20}})
+    rates = TokenRates(config, workers=2)
+    assert rates.rate_of("acme").tokens_per_s == 5  # type: ignore[union-attr]
+    assert rates.rate_of(key_tenant("sk-b")).tokens_per_s == 10  # type: ignore[union-attr]
+    assert rates.rate_of("anyone").tokens_per_s == 500  # type: ignore[union-attr]
+    assert not TokenRates(TenantsConfig()).limited
+
+
+# -- classifying requests --------------------------------------------------------------------------------------
+def request(body: dict[str, Any] | None = None, **headers: str) -> Request:
+    raw = json.dumps(body or {"model": "m", "prompt": "hi"}).encode()
+    return Request("POST", "/v1/completions", "/v1/completions", {k.replace("_", "-"): v for k, v in headers.items()},
+                   raw, True, True)
+
+
+def classified(headers: dict[str, str], body: int | None) -> Any:
+    if body is None:
+        return CLASSIFIER.classify(request(**headers), RequestInfo("m", 1, 1, False))
+    return CLASSIFIER.classify(request({"model": "m", "prompt": "hi", "priority": body}, **headers),
+                               info(priority=body))
+
+
+CLASSIFIER = Classifier(PriorityConfig(enabled=True, default=5, bands={"interactive": 0, "batch": 10}),
+                        TenantsConfig(header="x-tenant", keys={"sk-vip": {"name": "vip", "priority": -5}}))
+
+
+@pytest.mark.parametrize(("headers", "body", "expected"), [
+    ({}, None, 5), ({"x_priority": "batch"}, None, 10), ({"x_priority": "7"}, None, 7), ({}, 8, 8),
+    ({"x_priority": "8"}, 8, 8), ({"authorization": "Bearer sk-vip"}, None, -5),
+    ({"authorization": "Bearer sk-vip", "x_priority": "interactive"}, None, 0)])
+def test_priority_from_header_band_body_or_key(headers: dict[str, str], body: int | None, expected: int) -> None:
+    """The header (a number or a band), the body's field, else the key's priority, else the default."""
+    assert classified(headers, body).info.priority == expected
+
+
+@pytest.mark.parametrize(("headers", "body", "status", "words"), [
+    ({"x_priority": "urgent"}, None, 400, "band (batch, interactive)"), ({"x_priority": "1e3"}, None, 400, "integer"),
+    ({"x_priority": str(2 ** 40)}, None, 400, "must be in"), ({"x_priority": "7"}, 8, 400, "disagree"),
+    ({"x_priority": "interactive"}, None, 403, "more urgent"), ({}, 1, 403, "at most 5"),
+    ({"x_tenant": "../etc"}, None, 400, "x-tenant")])
+def test_bad_priority_or_tenant_is_a_clear_4xx(headers: dict[str, str], body: int | None, status: int,
+                                               words: str) -> None:
+    """Unknown bands, malformed values, conflicts and priorities above the client's are refused, never a 500."""
+    with pytest.raises(GatewayError) as exc:
+        classified(headers, body)
+    assert exc.value.status == status and words in exc.value.message
+
+
+def test_tenant_from_header_else_key_name_else_key_digest() -> None:
+    """The tenant header wins; a configured key's name; an unknown key's digest (the key never shows); anonymous."""
+    plain = RequestInfo("m", 1, 1, False)
+    assert CLASSIFIER.classify(request(x_tenant="team-a", authorization="Bearer sk-vip"), plain).info.tenant == "team-a"
+    assert CLASSIFIER.classify(request(authorization="Bearer sk-vip"), plain).info.tenant == "vip"
+    other = CLASSIFIER.classify(request(authorization="Bearer sk-secret"), plain).info.tenant
+    assert other.startswith("key-") and "secret" not in other
+    assert CLASSIFIER.classify(request(), plain).info.tenant == ""
+
+
+def test_pass_on_puts_the_priority_in_the_body_and_off_takes_it_out() -> None:
+    """pass_on: the replica's body carries the priority; without it, a non-zero priority is taken out for vLLM."""
+    on = Classifier(PriorityConfig(enabled=True, pass_on=True, bands={"batch": 10}), TenantsConfig())
+    got = on.classify(request(x_priority="batch"), RequestInfo("m", 1, 1, False))
+    assert json.loads(got.body) == {"priority": 10, "model": "m", "prompt": "hi"}
+    given = request({"model": "m", "prompt": "hi", "priority": 3})
+    assert on.classify(given, info(priority=3)).body is given.body
+    off = Classifier(PriorityConfig(enabled=True), TenantsConfig())
+    assert json.loads(off.classify(given, info(priority=3)).body) == {"model": "m", "prompt": "hi"}
+    plain = request()
+    assert off.classify(plain, RequestInfo("m", 1, 1, False)).body is plain.body
+
+
+# -- config ----------------------------------------------------------------------------------------------------
+def test_config_defaults_off_and_round_trips() -> None:
+    """Both sections are off by default; a configured one survives the trip to the workers."""
+    config = GatewayConfig(replicas=(ReplicaConfig("http://a:1"),))
+    assert not config.priority.enabled and not config.tenants.enabled
+    data = {"replicas": ["http://a:1"], "api_keys": ["sk-a"], "priority": {"enabled": True, "bands": {"batch": 9}},
+            "tenants": {"fair": True, "keys": {"sk-a": {"name": "acme", "priority": 1, "tokens_per_s": 5}}}}
+    config = from_mapping(data)
+    assert from_mapping(to_mapping(config)) == config
+    assert config.tenants.keys[0][1].name == "acme" and config.priority.bands == (("batch", 9),)
+
+
+@pytest.mark.parametrize(("data", "words"), [
+    ({"priority": {"default": "high"}}, "priority.default"), ({"priority": {"bands": {"10": 1}}}, "not a name"),
+    ({"priority": {"header": "bad header"}}, "priority.header"), ({"tenants": {"tokens_per_s": 0}}, "tokens_per_s"),
+    ({"tenants": {"keys": {"sk-x": {"colour": 1}}}}, "unknown key"), ({"tenants": {"fair": "yes"}}, "tenants.fair"),
+    ({"api_keys": ["sk-a"], "tenants": {"keys": {"sk-x": {"name": "x"}}}}, "api_keys does not list")])
+def test_bad_config_is_refused_by_name(data: dict[str, Any], words: str) -> None:
+    """Bad values are refused at start, naming them (never the API key)."""
+    with pytest.raises(ConfigError, match=words) as exc:
+        from_mapping({"replicas": ["http://a:1"], **data})
+    assert "sk-x" not in str(exc.value)
+
+
+# -- through the gateway, with fake replicas -------------------------------------------------------------------
+async def test_gateway_serves_queued_requests_by_priority(fake_replica: FakeFactory,
+                                                          gateway_for: GatewayFactory) -> None:
+    """One slot, held by a slow request; queued batch then interactive requests: interactive reaches it first."""
+    fake = await fake_replica(itl_s=0.02)
+    gw = await gateway_for([{"url": fake.url, "max_requests": 1}], queue={"max_size": 20, "max_wait_s": 10},
+                           priority={"enabled": True, "bands": {"interactive": 0, "batch": 10}, "pass_on": True})
+    async with httpx.AsyncClient(base_url=gw.base_url, timeout=30) as client:
+        def send(band: str, tag: str, tokens: int = 2) -> Any:
+            return client.post("/completions", headers={"x-priority": band},
+                               json={"model": "fake-model", "prompt": tag, "max_tokens": tokens})
+        holder = asyncio.create_task(send("batch", "holder", 15))
+        await asyncio.sleep(0.1)
+        batch = [asyncio.create_task(send("batch", f"b{i}")) for i in range(3)]
+        await asyncio.sleep(0.05)
+        interactive = [asyncio.create_task(send("interactive", f"i{i}")) for i in range(2)]
+        answers = await asyncio.gather(holder, *batch, *interactive)
+    assert [a.status_code for a in answers] == [200] * 6
+    prompts = [b["prompt"] for b in fake.stats.bodies]
+    assert prompts[:3] == ["holder", "i0", "i1"], prompts
+    assert [b.get("priority", 0) for b in fake.stats.bodies[:3]] == [10, 0, 0]  # passed on (0: vLLM's default)
+
+
+async def test_gateway_shares_the_queue_between_tenants(fake_replica: FakeFactory,
+                                                        gateway_for: GatewayFactory) -> None:
+    """A tenant that queued eight requests first does not make another tenant's two wait for all eight."""
+    fake = await fake_replica(itl_s=0.005)
+    gw = await gateway_for([{"url": fake.url, "max_requests": 1}], queue={"max_size": 20, "max_wait_s": 10},
+                           api_keys=["sk-heavy", "sk-light"], tenants={"fair": True})
+    async with httpx.AsyncClient(base_url=gw.base_url, timeout=30) as client:
+        def send(key: str, tag: str, tokens: int = 4) -> Any:
+            return client.post("/completions", headers={"authorization": f"Bearer {key}"},
+                               json={"model": "fake-model", "prompt": tag, "max_tokens": tokens})
+        holder = asyncio.create_task(send("sk-heavy", "holder", 40))
+        await asyncio.sleep(0.1)
+        heavy = [asyncio.create_task(send("sk-heavy", f"h{i}")) for i in range(8)]
+        await asyncio.sleep(0.05)
+        light = [asyncio.create_task(send("sk-light", f"l{i}")) for i in range(2)]
+        answers = await asyncio.gather(holder, *heavy, *light)
+    assert all(a.status_code == 200 for a in answers)
+    prompts = [b["prompt"] for b in fake.stats.bodies]
+    assert prompts.index("l0") <= 2 and prompts.index("l1") <= 4, prompts
+
+
+async def test_gateway_rate_limit_and_bad_input(fake_replica: FakeFactory, gateway_for: GatewayFactory) -> None:
+    """429 + Retry-After past a tenant's token rate, OpenAI-style 400/403 for bad priorities; others unaffected."""
+    fake = await fake_replica()
+    gw = await gateway_for([fake.url], priority={"enabled": True, "bands": {"batch": 10}},
+                           tenants={"tokens_per_s": 1, "burst": 100, "header": "x-tenant"})
+    async with httpx.AsyncClient(base_url=gw.base_url, timeout=30) as client:
+        def send(tenant: str, **extra: Any) -> Any:
+            headers = {"x-tenant": tenant, **extra.pop("headers", {})}
+            return client.post("/completions", headers=headers,
+                               json={"model": "fake-model", "prompt": "hi", "max_tokens": 40, **extra})
+        assert (await send("a")).status_code == 200
+        assert (await send("a")).status_code == 200
+        limited = await send("a")
+        assert limited.status_code == 429 and int(limited.headers["retry-after"]) >= 1
+        assert limited.json()["error"]["type"] == "rate_limit_error"
+        unknown = await send("b", headers={"x-priority": "urgent"})
+        assert unknown.status_code == 400 and unknown.json()["error"]["param"] == "priority"
+        typed = await send("b", priority="high")
+        assert typed.status_code == 400 and "'priority' must be an integer" in typed.json()["error"]["message"]
+        assert (await send("b", priority=-1)).status_code == 403
+        assert (await send("b", headers={"x-priority": "batch"})).status_code == 200
+        metrics = (await client.get(gw.url + "/metrics")).text
+        assert 'gateway_rejections_total{reason="tenant_token_rate"} 1.0' in metrics
+    assert len(fake.stats.bodies) == 3 and all("priority" not in b for b in fake.stats.bodies)
+
+
+async def test_off_by_default_bodies_and_headers_pass_untouched(fake_replica: FakeFactory,
+                                                                gateway_for: GatewayFactory) -> None:
+    """With neither section configured, a priority header is ignored and the body reaches vLLM byte for byte."""
+    fake = await fake_replica()
+    gw = await gateway_for([fake.url])
+    assert gw.gateway.router.order is None and gw.gateway._classifier is None and gw.gateway._rates is None
+    raw = b'{"model": "fake-model", "prompt": "hi", "max_tokens": 2, "priority": 3}'
+    async with httpx.AsyncClient(base_url=gw.base_url, timeout=30) as client:
+        answer = await client.post("/completions", content=raw,
+                                   headers={"x-priority": "nonsense", "content-type": "application/json"})
+    assert answer.status_code == 200 and fake.stats.bodies[0]["priority"] == 3
+
+
+def test_fairness_benchmark_runs_and_fairness_helps() -> None:
+    """bench.fairness in miniature (20 simulated seconds, one seed): fair with headroom beats FIFO."""
+    from bench.fairness import capacity, priority_case, saturation_sample, sharegpt_like, spec, tenants_case
+    import numpy as np
+
+    node = spec()
+    cap = capacity(node, saturation_sample(node, sharegpt_like(2000, np.random.default_rng(0))))
+    tenants, priority = tenants_case(cap, 20.0, 0), priority_case(cap, 20.0, 0)
+    assert tenants["fair_headroom"] <= tenants["fair"] < tenants["fifo"] / 4
+    assert priority["priority_headroom"] <= priority["priority"] < priority["fifo"] / 4
+    assert tenants["fair_headroom"] < 2 * tenants["alone"] and priority["priority_headroom"] < 2 * priority["alone"]
+
+
+def test_the_worked_example_in_the_docs_holds() -> None:
+    """docs/priority.md's example config loads, and its keys get the priorities and tenants the text says."""
+    import re
+    from pathlib import Path
+
+    import yaml
+
+    text = (Path(__file__).resolve().parent.parent / "docs" / "priority.md").read_text()
+    block = re.search(r"```yaml\n(.*?)```", text, re.S)
+    assert block is not None
+    config = from_mapping(yaml.safe_load(block.group(1)))
+    classifier = Classifier(config.priority, config.tenants)
+    plain = RequestInfo("m", 1, 1, False)
+
+    def got(key: str, **headers: str) -> RequestInfo:
+        return classifier.classify(request(authorization=f"Bearer {key}", **headers), plain).info
+
+    assert (got("sk-chat-app").priority, got("sk-chat-app").tenant) == (0, "chat")
+    assert (got("sk-team-a", x_priority="batch").priority, got("sk-team-a").tenant) == (10, "team-a")
+    assert got("sk-nightly").priority == 10
+    with pytest.raises(GatewayError) as exc:
+        got("sk-nightly", x_priority="interactive")
+    assert exc.value.status == 403 and exc.value.code == "priority_not_allowed"
+    rates = TokenRates(config.tenants)
+    assert rates.rate_of("team-a") == Rate(5000, 50000) and rates.rate_of("chat") == Rate(20000, 200000)
+    assert config.queue.headroom == 8 and config.priority.pass_on and config.tenants.fair
