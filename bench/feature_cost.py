@@ -41,6 +41,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "off": {},
     "tracing, ratio 0.01": {"tracing": {"endpoint": SINK, "sampling_ratio": 0.01}},
     "tracing, ratio 1.0": {"tracing": {"endpoint": SINK, "sampling_ratio": 1.0}},
+    "priority and fairness on": {"priority": {"enabled": True}, "tenants": {"fair": True}},
+    "a LoRA adapter registered": {"lora": {"adapters": {"a0": "/adapters/a0"}}},  # requests name the base model
 }
 
 
