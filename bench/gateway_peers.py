@@ -254,7 +254,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 figures.setdefault(P50, {}).setdefault(name, []).append(pct(lat, 50) * 1e6)
             print(f"round {r + 1}/{args.rounds} done", file=sys.stderr)
     return {"rounds": args.rounds, "seconds": args.seconds, "load_cores": load_cores, "gateway_core": gateway_core,
-            "figures": figures}
+            "figures": figures, "command": " ".join(["python -m bench.gateway_peers", *sys.argv[1:]])}
 
 
 def report(result: dict[str, Any]) -> str:
@@ -271,7 +271,7 @@ def report(result: dict[str, Any]) -> str:
     direct = statistics.median(figures[P50]["direct"])
     return "\n".join([
         "# This gateway against its peers", "",
-        f"`python -m bench.gateway_peers --rounds {result['rounds']} --seconds {result['seconds']:g}`: two fast fake "
+        f"`{result['command']}`: two fast fake "
         f"replicas and the load on cores {result['load_cores']}, each gateway alone on core "
         f"{result['gateway_core']}; medians of {result['rounds']} interleaved rounds, ratios to the {REFERENCE}. "
         f"Direct to a replica, p50 at 100 req/s: {direct:.0f} us.", "",
