@@ -4,6 +4,7 @@ later turns will look for its cache."""
 from __future__ import annotations
 
 import json
+import random
 from typing import Any
 
 from gateway.affinity import key_hash, rank
@@ -82,10 +83,13 @@ def test_consistent_hash_sends_every_keyed_request_to_its_first_choice_whatever_
     assert policy.pick(replicas, RequestInfo("m", 10, 10, True)) is not home
 
 
+CHATS, START_GAP_S = 16, 0.05  # conversations, and their mean gap: they overlap, as the issue's Poisson starts do
+
+
 async def chats_hit_rate(aiohttp_server: Any, gateway_for: Any, policy: str) -> tuple[float, list[list[str]]]:
-    """Twelve chats started at once over three fresh simulated replicas with prefix caching, turns sent
-    alternately through two gateways, the second replaced by a fresh one (a restart) after the second turn:
-    the replicas' prefix-cache hit rate and each chat's replicas."""
+    """CHATS chats starting as a Poisson process (seeded) over three fresh simulated replicas with prefix caching,
+    turns sent alternately through two gateways, the second replaced by a fresh one (a restart) after the first
+    chat's second turn: the replicas' prefix-cache hit rate and each chat's replicas."""
     import asyncio
     import re
 
@@ -109,7 +113,8 @@ async def chats_hit_rate(aiohttp_server: Any, gateway_for: Any, policy: str) -> 
     gateways = [await gateway_for(urls, policy=policy, health=health) for _ in range(2)]
     system = {"role": "system", "content": "You answer questions about serving. " * 6}
 
-    async def conversation(c: int) -> list[str]:
+    async def conversation(c: int, start: float) -> list[str]:
+        await asyncio.sleep(start)
         messages: list[Any] = [system, {"role": "user", "content": f"Chat {c}: " + "why cache prefixes? " * 30}]
         served = []
         for turn in range(4):
@@ -124,7 +129,11 @@ async def chats_hit_rate(aiohttp_server: Any, gateway_for: Any, policy: str) -> 
                 gateways[1] = await gateway_for(urls, policy=policy, health=health)  # restarted: no memory
         return served
 
-    chats = await asyncio.gather(*(conversation(c) for c in range(12)))
+    rng, start, starts = random.Random(7), 0.0, []
+    for _ in range(CHATS):
+        starts.append(start)
+        start += rng.expovariate(1 / START_GAP_S)
+    chats = await asyncio.gather(*(conversation(c, s) for c, s in enumerate(starts)))
     hits = queries = 0.0
     async with aiohttp.ClientSession() as session:
         for url in urls:
@@ -137,12 +146,13 @@ async def chats_hit_rate(aiohttp_server: Any, gateway_for: Any, policy: str) -> 
 
 async def test_concurrent_conversations_across_gateways_and_a_restart_hit_the_cache_as_if_pinned(
         aiohttp_server: Any, gateway_for: Any) -> None:
-    """Twelve chats started at once, turns alternating between two gateways, one restarted midway: the default's
+    """Chats starting close together, turns alternating between two gateways, one restarted midway: the default's
     prefix-cache hit rate is within 5 points of consistent_hash's (every chat pinned to one replica), and most
     chats never move (placement depends on the request and the replicas' load, not on a gateway's memory)."""
     pinned, pinned_chats = await chats_hit_rate(aiohttp_server, gateway_for, "consistent_hash")
     default, chats = await chats_hit_rate(aiohttp_server, gateway_for, "prefix_affinity")
     assert all(len(set(served)) == 1 for served in pinned_chats)
-    assert default >= pinned - 0.05, (default, pinned)
-    assert sum(len(set(served)) == 1 for served in chats) >= 9, [[u[-5:] for u in s] for s in chats]
+    assert default >= pinned - 0.05, (default, pinned)  # the issue's goal: within 5 points of sticky
+    # most chats never move (how many does depend on timing: which replica is busiest when a turn arrives)
+    assert sum(len(set(served)) == 1 for served in chats) >= CHATS // 2, [[u[-5:] for u in s] for s in chats]
     assert len({served[0] for served in chats}) > 1  # and the chats spread over the replicas
