@@ -30,10 +30,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-import aiohttp
-
 from bench.common import markdown_table, save, worktree
-from bench.gateway_overhead import cpu_seconds, free_port, pct, process, wait_ready
+from bench.gateway_overhead import cpu_seconds, fixed_rate, free_port, pct, process, wait_ready
 
 # name -> the config sections that turn the feature on (SINK: the span sink's URL)
 SINK = "<sink>"
@@ -86,36 +84,6 @@ def span_sink() -> Iterator[tuple[str, list[int]]]:
         server.server_close()
 
 
-async def schedule(url: str, rate: float, seconds: float, stream: bool) -> list[float]:
-    """Latencies (s) of requests sent open-loop at `rate` per second (to the last byte of the answer)."""
-    body = json.dumps({"model": "fake-model", "prompt": "hello", "max_tokens": 64 if stream else 16,
-                       "stream": stream}).encode()
-    latencies: list[float] = []
-    loop = asyncio.get_running_loop()
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
-        async def one() -> None:
-            start = loop.time()
-            async with session.post(url + "/v1/completions", data=body,
-                                    headers={"Content-Type": "application/json"}) as response:
-                await response.read()
-                if response.status != 200:
-                    raise RuntimeError(f"{url} answered {response.status}")
-            latencies.append(loop.time() - start)
-
-        for _ in range(20):  # warm the connection pool
-            await one()
-        latencies.clear()
-        tasks = []
-        t0 = loop.time()
-        for i in range(int(rate * seconds)):
-            delay = t0 + i / rate - loop.time()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(one()))
-        await asyncio.gather(*tasks)
-    return latencies
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=5)
@@ -158,7 +126,9 @@ def main() -> None:
                     order.reverse()  # neither variant always goes first
                 for name, (url, pid) in order:
                     cpu0 = cpu_seconds(pid)
-                    lat = asyncio.run(schedule(url, args.rate if not stream else args.rate / 4, args.seconds, stream))
+                    body: dict[str, object] = {"model": "fake-model", "prompt": "hello",
+                                               "max_tokens": 64 if stream else 16, "stream": stream}
+                    lat = asyncio.run(fixed_rate(url, args.rate / 4 if stream else args.rate, args.seconds, body))
                     time.sleep(0.5)  # the batch exporter's thread finishes its share of the work
                     cpu.setdefault((kind, name), []).append((cpu_seconds(pid) - cpu0) / len(lat))
                     p50.setdefault((kind, name), []).append(pct(lat, 50))

@@ -117,19 +117,22 @@ def wrk(url: str, body: dict[str, object], connections: int, seconds: float, thr
     return WrkResult(rps, total, n_errors)
 
 
-async def fixed_rate(url: str, rate: float, seconds: float) -> list[float]:
-    """Latencies (s) of non-streaming requests sent open-loop at `rate` per second."""
-    body = json.dumps({"model": "fake-model", "prompt": "hello", "max_tokens": 16}).encode()
+async def fixed_rate(url: str, rate: float, seconds: float, body: dict[str, object] | None = None,
+                     headers: dict[str, str] | None = None) -> list[float]:
+    """Latencies (s, to the answer's last byte) of requests sent open-loop at `rate` per second: `body` (default a
+    16-token non-streaming completion) POSTed to url/v1/completions with `headers`."""
+    payload = json.dumps(body or {"model": "fake-model", "prompt": "hello", "max_tokens": 16}).encode()
+    sent = {"Content-Type": "application/json", **(headers or {})}
     latencies: list[float] = []
     loop = asyncio.get_running_loop()
 
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
         async def one() -> None:
             start = loop.time()
-            async with session.post(url + "/v1/completions", data=body,
-                                    headers={"Content-Type": "application/json"}) as resp:
+            async with session.post(url + "/v1/completions", data=payload, headers=sent) as resp:
                 await resp.read()
-                assert resp.status == 200, resp.status
+                if resp.status != 200:
+                    raise RuntimeError(f"{url} answered {resp.status}")
             latencies.append(loop.time() - start)
 
         for _ in range(20):  # warm the connection pool

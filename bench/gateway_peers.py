@@ -40,11 +40,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import psutil
 
 from bench.common import RESULTS, markdown_table, worktree
-from bench.gateway_overhead import ROOT, cpu_seconds, free_port, pct, wrk
+from bench.gateway_overhead import ROOT, cpu_seconds, fixed_rate, free_port, pct, wrk
 
 PEERS_DIR = ROOT / "runs" / "peers"
 KEY = "sk-bench"
@@ -171,34 +170,6 @@ def cpu_s(process: psutil.Process) -> float:
     return total
 
 
-async def open_loop(url: str, rate: float, seconds: float) -> list[float]:
-    """Latencies (s) of non-streaming requests sent at `rate` per second."""
-    body = json.dumps({"model": "fake-model", "prompt": "hello", "max_tokens": 16}).encode()
-    headers = {"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"}
-    latencies: list[float] = []
-    loop = asyncio.get_running_loop()
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
-        async def one() -> None:
-            start = loop.time()
-            async with session.post(url + "/v1/completions", data=body, headers=headers) as response:
-                await response.read()
-                if response.status != 200:
-                    raise RuntimeError(f"{url} answered {response.status}")
-            latencies.append(loop.time() - start)
-
-        for _ in range(20):
-            await one()
-        latencies.clear()
-        tasks, t0 = [], loop.time()
-        for i in range(int(rate * seconds)):
-            delay = t0 + i / rate - loop.time()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(one()))
-        await asyncio.gather(*tasks)
-    return latencies
-
-
 SCENARIOS: dict[str, tuple[dict[str, Any], int, int, float]] = {  # body, connections, units per answer, x seconds
     "CPU us per request": ({"model": "fake-model", "prompt": "hello", "max_tokens": 16}, 32, 1, 1.0),
     "CPU us per event, back to back": ({"model": "fake-model", "prompt": "hello", "max_tokens": EVENTS,
@@ -209,19 +180,25 @@ SCENARIOS: dict[str, tuple[dict[str, Any], int, int, float]] = {  # body, connec
 P50 = "p50 us at 100 req/s"
 
 
+def fake_replicas(stack: ExitStack, n: int, cores: list[int], workdir: Path) -> list[str]:
+    """`n` fast fake replicas pinned to `cores`, running until `stack` closes: their URLs."""
+    urls = []
+    for i in range(n):
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        stack.enter_context(started(pinned([sys.executable, "bench/fast_replica.py", "--port", str(port)], cores),
+                                    url, workdir / f"replica-{i}.log"))
+        urls.append(url)
+    return urls
+
+
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     load_cores, gateway_core = cpus()
     os.sched_setaffinity(0, load_cores)  # this process is the open-loop client
     workdir = Path(tempfile.mkdtemp(prefix="peers-"))
     figures: dict[str, dict[str, list[float]]] = {}
     with ExitStack() as stack:
-        replicas = []
-        for i in range(2):
-            port = free_port()
-            url = f"http://127.0.0.1:{port}"
-            stack.enter_context(started(pinned([sys.executable, "bench/fast_replica.py", "--port", str(port)],
-                                               load_cores), url, workdir / f"replica-{i}.log"))
-            replicas.append(url)
+        replicas = fake_replicas(stack, 2, load_cores, workdir)
         running = {}
         if args.baseline:  # this gateway as it was at that revision, on the same rig
             tree = stack.enter_context(worktree(args.baseline))
@@ -250,7 +227,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                     figures.setdefault(scenario, {}).setdefault(name, []).append(
                         (cpu_s(process) - before) / (result.requests * units) * 1e6)
             for name, url in [("direct", replicas[0]), *((n, u) for n, (u, _) in order)]:
-                lat = asyncio.run(open_loop(url, 100, args.seconds * 2))
+                lat = asyncio.run(fixed_rate(url, 100, args.seconds * 2, headers={"Authorization": f"Bearer {KEY}"}))
                 figures.setdefault(P50, {}).setdefault(name, []).append(pct(lat, 50) * 1e6)
             print(f"round {r + 1}/{args.rounds} done", file=sys.stderr)
     return {"rounds": args.rounds, "seconds": args.seconds, "load_cores": load_cores, "gateway_core": gateway_core,

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from bench.common import RESULTS
 from bench.gateway_overhead import free_port, wrk
-from bench.gateway_peers import KEY, PACED_MS, _ours, cpus, pinned, started
+from bench.gateway_peers import KEY, PACED_MS, _ours, cpus, fake_replicas, pinned, started
 
 SCENARIOS = {
     "requests": ({"model": "fake-model", "prompt": "hello", "max_tokens": 16}, 32),
@@ -55,13 +55,7 @@ def main() -> None:
     workdir = Path(tempfile.mkdtemp(prefix="profile-"))
     lines = []
     with ExitStack() as stack:
-        replicas = []
-        for i in range(2):
-            port = free_port()
-            url = f"http://127.0.0.1:{port}"
-            stack.enter_context(started(pinned([sys.executable, "bench/fast_replica.py", "--port", str(port)],
-                                               load_cores), url, workdir / f"replica-{i}.log"))
-            replicas.append(url)
+        replicas = fake_replicas(stack, 2, load_cores, workdir)
         port = free_port()
         url = f"http://127.0.0.1:{port}"
         gateway = stack.enter_context(started(pinned(_ours(port, replicas, workdir), gateway_core), url,
