@@ -60,8 +60,8 @@ CHAT = ["--endpoint", "chat", "--workload", "multiturn", "--turns", "4:4", "--sy
 PROFILES = {"profile": ["--batch-sizes", "1,4,16,32", "--input-tokens", "256", "--output-tokens", "64"],
             "profile-long": ["--batch-sizes", "1,8,32", "--input-tokens", "1024", "--output-tokens", "256",
                              "--num-requests", "48"],
-            "profile-quick": ["--batch-sizes", "1,4,16", "--input-tokens", "256", "--output-tokens", "64",
-                              "--num-requests", "32"]}
+            "profile-quick": ["--batch-sizes", "1,8", "--input-tokens", "256", "--output-tokens", "64",
+                              "--num-requests", "24"]}
 BATCHED_TOKENS, MAX_MODEL_LEN = 2048, 2048  # vLLM-CPU's token budget (API server default) and the tiny model's length
 MODEL = "tiny-opt"
 
@@ -551,7 +551,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                   tuple(args.chat_policies.split(",")), args.port, args.out, args.chat_duration)
     if args.quick:
         setup = Setup(args.replicas, 1, 6.0, (0.5,), ("mix",), ("poisson",), (), (DEFAULT, "round_robin"), (),
-                      args.port, args.out, profiles=("profile-quick",), capacity_requests=96)
+                      args.port, args.out, profiles=("profile-quick",), capacity_requests=64)
     setup = replace(setup, deployment=args.deployment)
     runs = setup.runs("real") + setup.runs("sim")
     if args.dry_run:
