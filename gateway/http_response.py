@@ -51,10 +51,16 @@ class Responder:
         self.started = True
         self._head = self._conn.head(self._request, status, content_type, {**headers, **self.headers}, None)
 
+    def _framed(self, data: bytes) -> bytes:
+        """A chunk as it goes on the wire: chunked encoding for HTTP/1.1 (nothing for an empty one: that would end
+        the body), the bytes alone for HTTP/1.0."""
+        if self._request.http11:
+            return b"%x\r\n%b\r\n" % (len(data), data) if data else b""
+        return data
+
     async def send(self, data: bytes) -> None:
         """One chunk of a streamed response; waits while the client reads slower than we write."""
-        if self._request.http11:
-            data = b"%x\r\n%b\r\n" % (len(data), data) if data else b""
+        data = self._framed(data)
         if self._head:
             data, self._head = self._head + data, b""
         await self._conn.write(data)
@@ -64,7 +70,7 @@ class Responder:
         for it, or raise because it went away."""
         if self._head:
             return False
-        return self._conn.write_now(b"%x\r\n%b\r\n" % (len(data), data) if self._request.http11 else data)
+        return self._conn.write_now(self._framed(data))
 
     async def finish(self) -> None:
         """End a streamed response (the head too, if no chunk was sent)."""

@@ -51,8 +51,13 @@ class TraceContext:
     sampled: bool
 
     def header_bytes(self) -> bytes:
-        state = f"tracestate: {self.tracestate}\r\n" if self.tracestate else ""
-        return f"traceparent: {self.traceparent}\r\n{state}".encode("latin-1")
+        return trace_headers(self.traceparent, self.tracestate)
+
+
+def trace_headers(traceparent: str, tracestate: str = "") -> bytes:
+    """The header lines that carry a trace context to the replica (tracestate only when there is one)."""
+    state = f"tracestate: {tracestate}\r\n" if tracestate else ""
+    return f"traceparent: {traceparent}\r\n{state}".encode("latin-1")
 
 
 def incoming(headers: dict[str, str]) -> TraceContext | None:
@@ -155,9 +160,8 @@ class OtelTracing:
         client = incoming(request.headers) if "traceparent" in request.headers else None
         sampled = client.sampled if client is not None else self._rng.random() < self._ratio
         if not sampled:  # the client's decision or the ratio's: the replica is told "not sampled" too
-            return Untraced(client.header_bytes() if client is not None else
-                            b"traceparent: 00-%032x-%016x-00\r\n" % (self._rng.getrandbits(128) or 1,
-                                                                       self._rng.getrandbits(64) or 1))
+            return Untraced(client.header_bytes() if client is not None else trace_headers(
+                f"00-{self._rng.getrandbits(128) or 1:032x}-{self._rng.getrandbits(64) or 1:016x}-00"))
         trace = self.trace
         parent = None if client is None else trace.set_span_in_context(trace.NonRecordingSpan(trace.SpanContext(
             client.trace_id, client.span_id, is_remote=True, trace_flags=trace.TraceFlags(1))))
@@ -224,9 +228,8 @@ class SpanTrace:
             "gateway.upstream", context=self._context, kind=self._t.trace.SpanKind.CLIENT,
             attributes={"gateway.replica": lease.replica.url, "gateway.attempt": number})
         ctx = span.get_span_context()
-        state = f"tracestate: {self._tracestate}\r\n" if self._tracestate else ""
-        return (f"traceparent: 00-{ctx.trace_id:032x}-{ctx.span_id:016x}-{int(ctx.trace_flags):02x}\r\n{state}"
-                .encode("latin-1"))
+        return trace_headers(f"00-{ctx.trace_id:032x}-{ctx.span_id:016x}-{int(ctx.trace_flags):02x}",
+                             self._tracestate)
 
     def first_byte(self) -> None:
         if self._upstream is not None:
