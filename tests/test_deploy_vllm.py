@@ -107,6 +107,35 @@ def running_requests(replica_url: str) -> float:
     return sum(float(v) for v in values)
 
 
+def deployed(argv: list[str], run_dir: Path, port: int, env: dict[str, str] | None = None,
+             startup_s: float = STARTUP_S) -> Iterator[Deployment]:
+    """Run `deploy up` (argv) until its replicas and gateway on `port` are healthy, yield it, and tear it down
+    in any case: SIGTERM, then SIGKILL to whatever of its process groups is left (nothing may outlive a module)."""
+    log = run_dir / "deploy-up.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                cwd=Path(__file__).resolve().parent.parent, env=env)
+    dep = Deployment(proc, run_dir, log, f"http://127.0.0.1:{port}")
+    try:
+        wait_for(lambda: all_healthy(dep), startup_s, "two healthy replicas and the gateway", dep)
+        yield dep
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        try:
+            pgids = [p["pid"] for p in [dep.state()["gateway"], *dep.state()["replicas"]] if p and p["pid"]]
+        except (OSError, json.JSONDecodeError, TypeError):
+            pgids = []
+        for pgid in pgids:
+            for pid in group_members(pgid):
+                os.kill(pid, signal.SIGKILL)
+
+
 @pytest.fixture(scope="module")
 def collector() -> Iterator[Collector]:
     """A FAKE OTLP collector the module's replicas export their spans to (vLLM's --otlp-traces-endpoint)."""
@@ -121,35 +150,12 @@ def deployment(tmp_path_factory: pytest.TempPathFactory, collector: Collector) -
     The replicas trace to `collector` (vLLM records one span per finished request: cheap next to the request)."""
     run_dir = tmp_path_factory.mktemp("deploy-run")
     base = free_ports(3)
-    log = run_dir / "deploy-up.log"
     argv = [sys.executable, "-m", "deploy.cli", "up", "--model", "tiny", "--replicas", "2", "--port", str(base),
             "--replica-port-base", str(base + 1), "--run-dir", str(run_dir), "--startup-timeout", "300",
             "--host", "127.0.0.1", "--silent-start-timeout", "60",  # a start logs its first line within ~10 s
             "--", "--otlp-traces-endpoint", collector.url]
     env = {**os.environ, "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf", "OTEL_SERVICE_NAME": "vllm"}
-    with log.open("wb") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                cwd=Path(__file__).resolve().parent.parent, env=env)
-    dep = Deployment(proc, run_dir, log, f"http://127.0.0.1:{base}")
-    try:
-        wait_for(lambda: all_healthy(dep), STARTUP_S, "two healthy replicas and the gateway", dep)
-        yield dep
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-        # Belt and braces: nothing this module started may outlive it.
-        try:
-            pgids = [p["pid"] for p in [dep.state()["gateway"], *dep.state()["replicas"]] if p and p["pid"]]
-        except (OSError, json.JSONDecodeError, TypeError):
-            pgids = []
-        for pgid in pgids:
-            for pid in group_members(pgid):
-                os.kill(pid, signal.SIGKILL)
+    yield from deployed(argv, run_dir, base, env)
 
 
 def test_completions_and_chat_streaming_and_not(deployment: Deployment) -> None:

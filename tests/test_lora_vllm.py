@@ -11,24 +11,20 @@ adapter's answer is the one vLLM gives when the adapter is addressed directly, l
 from __future__ import annotations
 
 import json
-import os
 import random
 import re
-import signal
-import subprocess
 import sys
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from deploy.tinylora import ensure_tiny_adapter
 from deploy.tinymodel import ensure_tiny_model
-from tests.test_deploy_vllm import Deployment, all_healthy, free_ports, group_members, wait_for
+from tests.test_deploy_vllm import Deployment, deployed, free_ports, wait_for
 
 pytestmark = pytest.mark.vllm
 
@@ -76,34 +72,12 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
     model = ensure_tiny_model()
     loras = [f"{n}={ensure_tiny_adapter(run_dir / 'loras' / n, n, str(model))}" for n in ADAPTERS]
     base = free_ports(3)
-    log = run_dir / "deploy-up.log"
     argv = [sys.executable, "-m", "deploy.cli", "up", "--model", "tiny", "--replicas", "2", "--port", str(base),
             "--replica-port-base", str(base + 1), "--run-dir", str(run_dir), "--startup-timeout", "420",
             "--host", "127.0.0.1", "--silent-start-timeout", "60", "--gateway-workers", "2",
             "--max-loras", "2", "--max-lora-rank", "8", *[a for lora in loras for a in ("--lora", lora)],
             "--", "--dtype", "float32", "--max-model-len", "512"]  # float32: the same greedy tokens in any batch
-    with log.open("wb") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                cwd=Path(__file__).resolve().parent.parent)
-    dep = Deployment(proc, run_dir, log, f"http://127.0.0.1:{base}")
-    try:
-        wait_for(lambda: all_healthy(dep), STARTUP_S, "two healthy replicas and the gateway", dep)
-        yield dep
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-        try:
-            pgids = [p["pid"] for p in [dep.state()["gateway"], *dep.state()["replicas"]] if p and p["pid"]]
-        except (OSError, json.JSONDecodeError, TypeError):
-            pgids = []
-        for pgid in pgids:
-            for pid in group_members(pgid):
-                os.kill(pid, signal.SIGKILL)
+    yield from deployed(argv, run_dir, base, startup_s=STARTUP_S)
 
 
 def test_adapters_on_demand_over_two_replicas_then_one(deployment: Deployment) -> None:
