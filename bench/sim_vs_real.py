@@ -170,20 +170,15 @@ def cpu_snapshot(pids: Sequence[int]) -> tuple[float, list[float], list[float]]:
     """(now, each core's busy seconds, each process tree's CPU seconds): where the machine's time went in a run."""
     import psutil
 
+    from bench.gateway_peers import cpu_s
+
     cores = [sum(t) - t.idle - t.iowait for t in psutil.cpu_times(percpu=True)]
     trees = []
     for pid in pids:
-        total = 0.0
         try:
-            for proc in (psutil.Process(pid), *psutil.Process(pid).children(recursive=True)):
-                try:
-                    times = proc.cpu_times()
-                    total += times.user + times.system
-                except psutil.NoSuchProcess:
-                    continue
+            trees.append(cpu_s(psutil.Process(pid)))
         except psutil.NoSuchProcess:
-            total = math.nan
-        trees.append(total)
+            trees.append(math.nan)
     return time.monotonic(), cores, trees
 
 
