@@ -70,6 +70,7 @@ class _Connection(asyncio.Protocol):
         self._waiter: asyncio.Future[None] | None = None
         # Takes body parts as they arrive, in the protocol's callback, while nothing is queued (UpstreamResponse.splice)
         self.sink: Callable[[bytes], bool] | None = None
+        self._gathered: list[bytes] | None = None  # body parts of one read, offered to the sink as one
         self._framed = False  # the answer has a length or chunked encoding (else it ends with the connection)
         self._head_only = False  # the request is HEAD: its answer ends with its head
 
@@ -87,11 +88,30 @@ class _Connection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.received = True
+        if self.sink is None:
+            try:
+                self._parser.feed_data(data)
+            except httptools.HttpParserError as exc:
+                self._malformed(exc)
+            return
+        # A read often holds several chunks (tokens that came out together): they reach the sink as one part, one
+        # write to the client instead of one per chunk.
+        gathered: list[bytes] = []
+        self._gathered = gathered
+        error = None
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserError as exc:
-            self._fail(ConnectionError(f"malformed HTTP from the replica: {exc}"))
-            self.close()
+            error = exc
+        self._gathered = None
+        if gathered:
+            self._deliver(gathered[0] if len(gathered) == 1 else b"".join(gathered))
+        if error is not None:
+            self._malformed(error)
+
+    def _malformed(self, exc: httptools.HttpParserError) -> None:
+        self._fail(ConnectionError(f"malformed HTTP from the replica: {exc}"))
+        self.close()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._pool.forget(self)
@@ -124,6 +144,12 @@ class _Connection(asyncio.Protocol):
             self.head.set_result(None)
 
     def on_body(self, body: bytes) -> None:
+        if self._gathered is not None:
+            self._gathered.append(body)
+        else:
+            self._deliver(body)
+
+    def _deliver(self, body: bytes) -> None:
         if self.sink is not None and not self.chunks and self.sink(body):
             return  # relayed already: no task to wake
         self.chunks.append(body)
