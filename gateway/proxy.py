@@ -205,12 +205,14 @@ class Proxy:
         failure = ""
         held = b""  # the start of an event still arriving: relayed once whole, so an error event never joins it
 
+        send_now, tokens, now = responder.send_now, lease.tokens, loop.time  # bound once: called once per token
+
         def relay_now(part: bytes) -> bool:
             """Whole events, straight to a client that keeps up, from the replica connection's callback."""
-            if held or not part.endswith(b"\n\n") or not responder.send_now(part):
+            if held or not part.endswith(b"\n\n") or not send_now(part):
                 return False  # queued for the loop below, which waits for the client or completes the event
-            lease.tokens(part.count(_SSE_EVENT))
-            watch.last = loop.time()
+            tokens(part.count(_SSE_EVENT))
+            watch.last = now()
             return True
 
         upstream.splice(relay_now)
