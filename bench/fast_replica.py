@@ -1,7 +1,8 @@
 """A FAST fake vLLM replica for benchmarks: precomputed bytes, no JSON work, uvloop.
 
-`POST /v1/completions` answers with `max_tokens` tokens (default 16); with `"stream": true`, one SSE chunk per
-token, paced `bench_itl_ms` apart when the body asks for it (the gateway passes that field through untouched).
+`POST /v1/completions` answers with `max_tokens` tokens (default 16); with `"stream": true`, one SSE event per
+token: all in one write (back to back), or each its own write `bench_itl_ms` apart when the body asks for it (the
+gateway passes that field through untouched).
 """
 
 from __future__ import annotations
@@ -34,11 +35,14 @@ async def completions(request: web.Request) -> web.StreamResponse:
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
     try:
         await response.prepare(request)
-        for i in range(tokens):
-            if itl and i:
-                await asyncio.sleep(itl)
-            await response.write(CHUNK)
-        await response.write(DONE)
+        if not itl:  # back to back: every event in one write, as a static file from nginx arrives
+            await response.write(CHUNK * tokens + DONE)
+        else:
+            for i in range(tokens):
+                if i:
+                    await asyncio.sleep(itl)
+                await response.write(CHUNK)
+            await response.write(DONE)
         await response.write_eof()
     except ConnectionResetError:
         pass  # the load generator hung up at the end of its run
