@@ -33,7 +33,7 @@ class Response:
 class Responder:
     """Writes one request's response: either returned whole by the handler, or streamed through here."""
 
-    __slots__ = ("_conn", "_request", "headers", "started", "_head")
+    __slots__ = ("_conn", "_request", "headers", "started", "_head", "_ended")
 
     def __init__(self, conn: ResponseWriter, request: Request) -> None:
         self._conn = conn
@@ -41,6 +41,7 @@ class Responder:
         self.headers: dict[str, str] = {}  # added to whatever response goes out (the request id)
         self.started = False
         self._head = b""
+        self._ended = False  # the body's end went out with its last chunk
 
     @property
     def client_gone(self) -> bool:
@@ -58,12 +59,19 @@ class Responder:
             return b"%x\r\n%b\r\n" % (len(data), data) if data else b""
         return data
 
-    async def send(self, data: bytes) -> None:
-        """One chunk of a streamed response; waits while the client reads slower than we write."""
+    async def send(self, data: bytes, last: bool = False) -> None:
+        """One chunk of a streamed response; waits while the client reads slower than we write. `last`: the body
+        ends with it, in the same write (a stream that arrived whole goes out in one write, head to end)."""
         data = self._framed(data)
+        if last:
+            data += self._tail()
+            self._ended = True
         if self._head:
             data, self._head = self._head + data, b""
         await self._conn.write(data)
+
+    def _tail(self) -> bytes:
+        return b"0\r\n\r\n" if self._request.http11 else b""
 
     def send_now(self, data: bytes) -> bool:
         """One chunk, written at once if the client is keeping up; False (nothing written) where `send` must wait
@@ -75,10 +83,10 @@ class Responder:
         return self._conn.write_now(data)
 
     async def finish(self) -> None:
-        """End a streamed response (the head too, if no chunk was sent)."""
-        tail = b"0\r\n\r\n" if self._request.http11 else b""
-        data, self._head = self._head + tail, b""
-        await self._conn.write(data)
+        """End a streamed response (the head too, if no chunk was sent), unless its last chunk ended it."""
+        if not self._ended:
+            data, self._head, self._ended = self._head + self._tail(), b"", True
+            await self._conn.write(data)
         if not self._request.http11:
             self._conn.close()  # an HTTP/1.0 stream ends when the connection does
 

@@ -223,7 +223,7 @@ class Proxy:
                 if data:
                     lease.tokens(data.count(_SSE_EVENT))
                     watch.paused = True  # a slow client is not a stalled replica
-                    await responder.send(data)
+                    await responder.send(data, last=not held and upstream.ended)
                     watch.paused = False
                 data = await upstream.readany()
                 watch.last = loop.time()

@@ -229,6 +229,11 @@ class UpstreamResponse:
         """The media type, without parameters, lower-case."""
         return self.headers.get("content-type", "").partition(";")[0].strip().lower()
 
+    @property
+    def ended(self) -> bool:
+        """The whole body has arrived and been read."""
+        return self._conn.complete and not self._conn.chunks
+
     async def readany(self) -> bytes:
         """The next part of the body that has arrived; b"" at its end."""
         return await self._conn.next_chunk()

@@ -26,6 +26,7 @@ import pytest
 from aiohttp import web
 
 from gateway import server as server_module
+from gateway.http_response import ResponseWriter
 from gateway.server import HttpServer, Request, Responder, Response
 from gateway.upstream import Origin, UpstreamPool
 from tests.conftest import FakeFactory, GatewayFactory
@@ -907,6 +908,38 @@ async def test_answer_ending_at_close_is_relayed_whole(raw_replica: RawFactory, 
             assert got == body
     assert len(replica.connections()) == 2  # an answer that ended with its connection is not pooled
     assert gw.gateway.router.replicas[replica.url].healthy
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["whole", "in-two-parts"])
+async def test_streamed_answer_ends_in_the_write_of_its_last_chunk(raw_replica: RawFactory,
+                                                                    gateway_for: GatewayFactory,
+                                                                    monkeypatch: pytest.MonkeyPatch,
+                                                                    split: bool) -> None:
+    """The end of a streamed body (HTTP/1.1's last chunk) goes out with the events before it: a stream the replica
+    sent whole reaches the client in one write, one sent in two parts in two; both read back whole, twice over one
+    connection (an end written twice would corrupt the next answer)."""
+    first, rest = b"data: 1\n\n", b"data: 2\n\ndata: [DONE]\n\n"
+    head = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+    chunks = [b"%x\r\n%b\r\n" % (len(part), part) for part in (first, rest)]
+    parts = (head + chunks[0], chunks[1] + b"0\r\n\r\n") if split else (head + b"".join(chunks) + b"0\r\n\r\n",)
+    replica = await raw_replica(lambda method, path, n: (parts, False))
+    gw = await gateway_for([replica.url])
+    writes: list[bytes] = []
+    original = ResponseWriter.write
+
+    async def counted(self: ResponseWriter, data: bytes) -> None:
+        writes.append(data)
+        await original(self, data)
+
+    monkeypatch.setattr(ResponseWriter, "write", counted)
+    monkeypatch.setattr(ResponseWriter, "write_now", lambda self, data: False)  # every chunk through `write`
+    async with aiohttp.ClientSession() as session:
+        for _ in range(2):
+            status, got = await post_completion(session, gw.url, stream=True)
+            assert status == 200 and got == first + rest
+    assert len(replica.connections()) == 1
+    ends = [w.endswith(b"0\r\n\r\n") for w in writes]  # per request: the writes, and which carried the end
+    assert ends == ([False, True] * 2 if split else [True, True]), writes
 
 
 async def test_answer_ending_at_a_reset_is_not_taken_as_complete(raw_replica: RawFactory,
