@@ -178,6 +178,7 @@ SCENARIOS: dict[str, tuple[dict[str, Any], int, int, float]] = {  # body, connec
                                                "stream": True, "bench_itl_ms": PACED_MS}, 64, EVENTS, 2.0),
 }
 P50 = "p50 us at 100 req/s"
+COLUMNS = dict(zip(("request", "b2b", "paced", "p50"), [*SCENARIOS, P50]))  # --only's short names
 
 
 def fake_replicas(stack: ExitStack, n: int, cores: list[int], workdir: Path) -> list[str]:
@@ -196,6 +197,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     load_cores, gateway_core = cpus()
     os.sched_setaffinity(0, load_cores)  # this process is the open-loop client
     workdir = Path(tempfile.mkdtemp(prefix="peers-"))
+    columns = [COLUMNS[c] for c in args.only or COLUMNS]
     figures: dict[str, dict[str, list[float]]] = {}
     with ExitStack() as stack:
         replicas = fake_replicas(stack, 2, load_cores, workdir)
@@ -207,6 +209,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             running[f"this gateway at {args.baseline}"] = (url, stack.enter_context(started(
                 pinned(_ours(port, replicas, workdir), gateway_core), url, workdir / "baseline.log", cwd=tree)))
         for gateway in GATEWAYS:
+            if gateway.name not in (REFERENCE, "this gateway") and args.peers == "reference":
+                continue
             if not gateway.installed():
                 print(f"bench: {gateway.name} is not installed (--install): left out", file=sys.stderr)
                 continue
@@ -218,6 +222,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         for r in range(args.rounds):
             order = list(running.items())[::-1 if r % 2 else 1]
             for scenario, (body, connections, units, stretch) in SCENARIOS.items():
+                if scenario not in columns:
+                    continue
                 for name, (url, process) in order:
                     before = cpu_s(process)
                     result = wrk(url, {**body}, connections, args.seconds * stretch, auth=KEY, cores=load_cores)
@@ -226,7 +232,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                                            "requests")
                     figures.setdefault(scenario, {}).setdefault(name, []).append(
                         (cpu_s(process) - before) / (result.requests * units) * 1e6)
-            for name, url in [("direct", replicas[0]), *((n, u) for n, (u, _) in order)]:
+            for name, url in [("direct", replicas[0]), *((n, u) for n, (u, _) in order)] if P50 in columns else []:
                 lat = asyncio.run(fixed_rate(url, 100, args.seconds * 2, headers={"Authorization": f"Bearer {KEY}"}))
                 figures.setdefault(P50, {}).setdefault(name, []).append(pct(lat, 50) * 1e6)
             print(f"round {r + 1}/{args.rounds} done", file=sys.stderr)
@@ -236,8 +242,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
 def report(result: dict[str, Any]) -> str:
     figures = result["figures"]
-    names = [n for n in figures[P50] if n != "direct"]
-    columns = [*SCENARIOS, P50]
+    columns = [c for c in (*SCENARIOS, P50) if c in figures]
+    names = [n for n in figures[columns[0]] if n != "direct"]
     rows = []
     for name in names:
         row: list[object] = [name]
@@ -245,7 +251,7 @@ def report(result: dict[str, Any]) -> str:
             value, reference = (statistics.median(figures[column][n]) for n in (name, REFERENCE))
             row.append(f"{value:.1f} ({value / reference:.2f}x)")
         rows.append(row)
-    direct = statistics.median(figures[P50]["direct"])
+    direct = statistics.median(figures[P50]["direct"]) if P50 in figures else float("nan")
     return "\n".join([
         "# This gateway against its peers", "",
         f"`{result['command']}`: two fast fake "
@@ -261,9 +267,15 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--seconds", type=float, default=5)
     parser.add_argument("--baseline", metavar="REV", help="also this gateway as it was at git revision REV (A/B)")
+    parser.add_argument("--only", action="append", choices=list(COLUMNS),
+                        help="measure only this column (repeatable): a longer A/B of one figure")
+    parser.add_argument("--peers", choices=("all", "reference"), default="all",
+                        help="reference: the vLLM router and this gateway only")
     parser.add_argument("--save", action="store_true", help="write docs/bench/gateway_overhead.md and "
                         "docs/bench/gateway_peers.json")
     args = parser.parse_args()
+    if args.save and (args.only or args.peers != "all"):
+        parser.error("--save keeps the whole table: not with --only or --peers reference")
     if args.install:
         install()
     if shutil.which("wrk") is None:

@@ -1,11 +1,12 @@
-"""Where the gateway's CPU goes: py-spy flame graphs of non-streaming requests and of paced streams.
+"""Where the gateway's CPU goes: py-spy flame graphs of non-streaming requests, of streams written at once and of
+paced streams.
 
 The rig of bench/gateway_peers.py (two fast fake replicas and wrk on the first cores, the gateway alone on the
 last, API keys on), one scenario at a time: wrk drives the gateway while py-spy samples it, and writes an SVG flame
 graph and the raw stacks (`--out`, default docs/bench/profiles/), plus a summary of the hottest functions and lines
 (self time: what a change can win back).
 
-    python -m bench.profile_gateway [--seconds 10] [--rate 1000] [--out DIR]
+    python -m bench.profile_gateway [--seconds 10] [--only NAME] [--out DIR]
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from bench.gateway_peers import KEY, PACED_MS, _ours, cpus, fake_replicas, pinne
 
 SCENARIOS = {
     "requests": ({"model": "fake-model", "prompt": "hello", "max_tokens": 16}, 32),
+    "stream-back-to-back": ({"model": "fake-model", "prompt": "hello", "max_tokens": 64, "stream": True}, 32),
     f"stream-paced-{PACED_MS}ms": ({"model": "fake-model", "prompt": "hello", "max_tokens": 64, "stream": True,
                                    "bench_itl_ms": PACED_MS}, 64),
 }
@@ -46,7 +48,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seconds", type=float, default=10)
     parser.add_argument("--out", type=Path, default=RESULTS / "profiles")
+    parser.add_argument("--only", action="append", choices=list(SCENARIOS), help="this scenario only (repeatable)")
     args = parser.parse_args()
+    scenarios = {name: SCENARIOS[name] for name in args.only or SCENARIOS}
     spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
     if not Path(spy).exists():
         sys.exit("bench: py-spy is needed (pip install py-spy)")
@@ -60,7 +64,7 @@ def main() -> None:
         url = f"http://127.0.0.1:{port}"
         gateway = stack.enter_context(started(pinned(_ours(port, replicas, workdir), gateway_core), url,
                                               workdir / "gateway.log"))
-        for name, (body, connections) in SCENARIOS.items():
+        for name, (body, connections) in scenarios.items():
             for fmt, suffix in (("flamegraph", "svg"), ("raw", "txt")):
                 sampler = subprocess.Popen([spy, "record", "--nonblocking", "-r", "500", "-d", str(int(args.seconds)),
                                             "-p", str(gateway.pid), "-f", fmt, "-o",
@@ -74,7 +78,7 @@ def main() -> None:
             lines += [f"| {share:.1%} | `{frame}` |" for share, frame in hottest(args.out / f"{name}.txt")]
             lines.append("")
     text = "\n".join(["# Gateway profiles (py-spy)", "", f"`python -m bench.profile_gateway --seconds "
-                      f"{args.seconds:g}`: flame graphs beside this file ({', '.join(f'{n}.svg' for n in SCENARIOS)})."
+                      f"{args.seconds:g}`: flame graphs beside this file ({', '.join(f'{n}.svg' for n in scenarios)})."
                       " Self time per line, of the samples py-spy took (the event loop's own C code, and its idle "
                       "waits, show as `Runner.run`).", "", *lines])
     (args.out / "README.md").write_text(text + "\n")
