@@ -221,9 +221,13 @@ class Proxy:
                 if held or not data.endswith(b"\n\n"):
                     data, held = _whole_events(held + data)
                 if data:
-                    lease.tokens(data.count(_SSE_EVENT))
+                    last = not held and upstream.ended
+                    if last:  # the whole answer is in: its tokens are back, no need to count them (10 KB: 6 us)
+                        lease.all_tokens()
+                    else:
+                        lease.tokens(data.count(_SSE_EVENT))
                     watch.paused = True  # a slow client is not a stalled replica
-                    await responder.send(data, last=not held and upstream.ended)
+                    await responder.send(data, last=last)
                     watch.paused = False
                 data = await upstream.readany()
                 watch.last = loop.time()

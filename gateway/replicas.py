@@ -149,6 +149,10 @@ class Lease:
             if replica.max_outstanding_tokens is not None:
                 self._on_release()  # only a token cap can admit a queued request now
 
+    def all_tokens(self) -> None:
+        """The replica's answer is complete: what is left of the output budget comes back at once (no counting)."""
+        self.tokens(self._output)
+
     def release(self) -> None:
         """The request is over, however it ended. Safe to call more than once."""
         if self._done:

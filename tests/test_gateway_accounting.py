@@ -34,8 +34,8 @@ def info(prompt: int = 10, output: int = 20) -> RequestInfo:
     return RequestInfo("m", prompt, output, True)
 
 
-# One event of a request's life: start, first token, k tokens, end (done, failed or cancelled: all call release).
-events = st.lists(st.tuples(st.integers(0, 7), st.sampled_from(["start", "first", "tokens", "end"]),
+# One event of a request's life: start, first token, k tokens, all its tokens (the answer in whole), end (done, failed or cancelled: all call release).
+events = st.lists(st.tuples(st.integers(0, 7), st.sampled_from(["start", "first", "tokens", "all", "end"]),
                             st.integers(0, 50)), max_size=200)
 
 
@@ -57,6 +57,8 @@ def test_counters_never_negative_and_return_to_zero(events: list[tuple[int, str,
             lease.first_token()
         elif lease is not None and event == "tokens":
             lease.tokens(count)
+        elif lease is not None and event == "all":
+            lease.all_tokens()
         elif lease is not None and event == "end":
             lease.release()
         for replica in r.replicas.values():
@@ -83,6 +85,21 @@ def test_lease_counts_prompt_then_output_down() -> None:
     assert replica.outstanding == 0
     lease.release()
     assert replica.inflight == 0
+
+
+def test_whole_answer_returns_its_output_budget_while_the_request_is_in_flight() -> None:
+    """An answer that arrived whole gives back its output tokens at once; the request stays in flight until its end
+    (the client may still be reading it)."""
+    r = router(n=1)
+    replica = next(iter(r.replicas.values()))
+    lease = r.try_acquire(info(prompt=100, output=50))
+    assert lease is not None
+    lease.first_token()
+    lease.tokens(5)
+    lease.all_tokens()
+    assert replica.outstanding == 0 and replica.inflight == 1
+    lease.release()
+    assert replica.outstanding == 0 and replica.inflight == 0
 
 
 async def test_queue_waits_for_a_free_replica_in_fifo_order() -> None:
