@@ -67,6 +67,7 @@ class Gateway:
                  rng: random.Random | None = None, *, table: LoadTable | None = None, row: int = 1,
                  admin_socket: str | None = None) -> None:
         self.config = config
+        self._api_keys = tuple(key.encode() for key in config.api_keys)  # encoded once, compared per request
         self.tracing: Tracing | None = None
         # the admission queue's bound is the gateway's: each worker holds its share
         queue = replace(config.queue, max_size=math.ceil(config.queue.max_size / config.workers))
@@ -215,8 +216,8 @@ class Gateway:
 
     def _authorized(self, request: Request) -> bool:
         header = request.headers.get("authorization", "")
-        token = header[7:] if header[:7].lower() == "bearer " else ""
-        return any(hmac.compare_digest(token.encode(), key.encode()) for key in self.config.api_keys)
+        token = (header[7:] if header[:7].lower() == "bearer " else "").encode()
+        return any([hmac.compare_digest(token, key) for key in self._api_keys])  # every key compared, always
 
     # -- routes -----------------------------------------------------------------------------------------------
     def _generation(self, endpoint: str) -> Route:
