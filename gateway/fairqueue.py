@@ -13,7 +13,8 @@ within a priority the tenant that has been served the fewest tokens, as in the V
   credit while idle and then take the replicas over.
 
 Headroom (`queue.headroom`, default 0): the last `headroom` of each replica's `max_requests` are kept for requests
-whose kind (tenant and priority) has nothing else queued, or that are more urgent than another kind queued. A
+whose kind (tenant and priority) has nothing else queued, that are more urgent than another kind queued, or (with
+fairness) whose tenant has fewer queued than another tenant of its band. A
 tenant or band sending past its share always has requests queued, so it fills replicas only up to
 `max_requests - headroom`; a request of anyone within their share
 then finds a free batch slot at once instead of waiting for one to free (its time to first token stays what it is
@@ -79,11 +80,19 @@ class PriorityOrder:
 
     def reserve(self, info: RequestInfo) -> int:
         """Slots of each replica `info` must leave free: the headroom if others of its kind are queued too, unless
-        a less urgent kind is queued (then the headroom is kept from that one: its requests come after)."""
+        a less urgent kind is queued (then the headroom is kept from that one: its requests come after), or, with
+        fairness, another tenant of its band has more queued (a light tenant's burst queued beside a flood is not
+        held back as the flood is; the virtual token counters cannot tell them apart, the lift evens them)."""
         priority = info.priority or 0
-        if self.headroom and self._kinds.get((info.tenant, priority), 0) > 1 and priority >= max(self._priorities):
-            return self.headroom
-        return 0
+        if not (self.headroom and self._kinds.get((info.tenant, priority), 0) > 1
+                and priority >= max(self._priorities)):
+            return 0
+        if self.fair and len(self._waiting) > 1:
+            tenant = info.tenant
+            mine = self._kinds[(tenant, priority)]
+            if any(n > mine for (t, p), n in self._kinds.items() if p == priority and t != tenant):
+                return 0  # another tenant of its band has more queued: that one is the flood
+        return self.headroom
 
     def leave(self, info: RequestInfo) -> None:
         """`info` leaves the queue: served, refused or gone."""

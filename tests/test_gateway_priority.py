@@ -150,6 +150,31 @@ async def test_headroom_keeps_a_slot_for_a_tenant_with_nothing_queued() -> None:
         task.result().release()
 
 
+async def test_headroom_is_not_kept_from_the_least_served_tenant() -> None:
+    """A light tenant's burst queued behind a flood may use the headroom (it is within its share); the flood may not."""
+    order = PriorityOrder(fair=True, headroom=2)
+    r = Router(make_policy("least_outstanding_tokens"), QueueConfig(max_size=50, max_wait_s=5),
+               [ReplicaConfig(url="http://r0:8000", max_requests=4)], order=order)
+    replica = next(iter(r.replicas.values()))
+    replica.healthy, replica.models = True, frozenset({"m"})
+    held = [r.try_acquire(info("heavy")) for _ in range(4)]
+    heavy = [asyncio.create_task(r.acquire(info("heavy"))) for _ in range(3)]
+    light = [asyncio.create_task(r.acquire(info("light"))) for _ in range(2)]
+    await settle()
+    assert order.reserve(info("light")) == 0 and order.reserve(info("heavy")) == 2
+    for lease in held[:2]:
+        lease.release()  # type: ignore[union-attr]
+    await settle()
+    assert all(t.done() for t in light) and not any(t.done() for t in heavy)  # two of four in flight: the headroom
+    for lease in held[2:]:
+        lease.release()  # type: ignore[union-attr]
+    for task in light:
+        task.result().release()
+    await settle()
+    for task in heavy:
+        task.result().release()
+
+
 async def test_headroom_goes_to_the_more_urgent_band() -> None:
     """A band with several queued may use the headroom while a less urgent band is queued behind it."""
     order = PriorityOrder(fair=False, headroom=2)
