@@ -255,14 +255,16 @@ async def test_a_bad_port_fails_at_start_with_a_message(fake_replica: FakeFactor
 
 async def test_a_conversation_keeps_its_replica_whichever_worker_takes_each_turn(
         fake_replica: FakeFactory, serve: ServeFactory) -> None:
-    """prefix_affinity needs no shared state: eight chats of three turns, each turn on a new connection (so either
-    worker may take it), each chat on one replica, the chats over both replicas and both workers."""
+    """prefix_affinity needs no shared state: sixteen chats of three turns, each turn on a new connection (so either
+    worker may take it), each chat on one replica, the chats over both replicas and both workers. (A chat's home
+    hangs on a hash of its prefix and the replicas' random ports: as coin flips, eight chats all land on one
+    replica once in 128 runs, which a full-suite run hit; sixteen, once in 32,768.)"""
     a, b = await fake_replica(), await fake_replica()
     gw = await serve([a.url, b.url])
     replicas: dict[int, set[str]] = {}
     workers: set[str] = set()
     async with aiohttp.ClientSession() as session:
-        for chat in range(8):
+        for chat in range(16):
             messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": f"Chat {chat}?"}]
             for _ in range(3):
                 async with session.post(gw.url + "/v1/chat/completions", headers={"Connection": "close"},
