@@ -316,8 +316,17 @@ class AdapterRouter:
         url = replica.url
         try:
             lock = self._replica_locks.setdefault(url, asyncio.Lock())
-            async with lock, self._file_locks.hold(url, deadline):  # slots are counted, then used: one at a time
-                await self._make_room_and_load(url, spec, deadline)
+            loop = asyncio.get_running_loop()
+            # Slots are counted, then used, one load at a time; but the locks are let go while every slot is busy:
+            # a request waiting on another load (of an adapter the replica lists, say, and counted in flight on it)
+            # would otherwise keep the slot this load waits for, and this load the lock that request waits for.
+            while True:
+                async with lock, self._file_locks.hold(url, deadline):
+                    if await self._make_room_and_load(url, spec, deadline):
+                        break
+                if loop.time() >= deadline:
+                    raise AdapterError(f"all {self.config.max_loras} adapter slots of {url} are busy")
+                await asyncio.sleep(WAIT_POLL_S)
         except (AdapterError, TimeoutError, OSError) as exc:
             self._failures.labels(url, spec.name).inc()
             logger.warning("loading adapter %s on %s failed: %s", spec.name, url, exc)
@@ -334,18 +343,16 @@ class AdapterRouter:
                 flight.set_exception(AdapterError("the gateway stopped while loading"))
                 flight.exception()
 
-    async def _make_room_and_load(self, url: str, spec: AdapterSpec, deadline: float) -> None:
+    async def _make_room_and_load(self, url: str, spec: AdapterSpec, deadline: float) -> bool:
+        """Load the adapter, unloading idle ones to make room; False (nothing loaded) while every slot is busy."""
         loop = asyncio.get_running_loop()
         listed = await self.sync(url)
         if spec.name in listed:
-            return
+            return True
         while len(listed) >= self.config.max_loras:
             victim = self._victim(url, listed)
             if victim is None:
-                if loop.time() >= deadline:
-                    raise AdapterError(f"all {self.config.max_loras} adapter slots of {url} are busy")
-                await asyncio.sleep(WAIT_POLL_S)
-                continue
+                return False
             # no longer a holder from here on, before any await: no request of this worker can pick it meanwhile
             self.holdings.set_held(url, victim, False, time.time())
             await self._api.unload(url, victim)
@@ -356,11 +363,12 @@ class AdapterRouter:
         loaded = await asyncio.wait_for(self._api.load(url, spec.name, spec.path), max(0.001, deadline - started))
         self.holdings.set_held(url, spec.name, True, time.time())
         if not loaded:
-            return
+            return True
         self._loads.labels(url, spec.name).inc()
         took = loop.time() - started
         self.load_s = (1 - LOAD_S_WEIGHT) * self.load_s + LOAD_S_WEIGHT * took
         logger.info("loaded adapter %s on %s in %.2f s", spec.name, url, took)
+        return True
 
     def _victim(self, url: str, listed: set[str]) -> str | None:
         """The least recently used adapter with no request in flight and no load of it under way, if any."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from typing import Any
 
 import aiohttp
@@ -127,6 +128,33 @@ async def test_every_slot_busy_waits_then_fails_clearly(fake_replica: FakeFactor
         assert "a1" in body["error"]["message"] and "busy" in body["error"]["message"]
         assert (await long)[0] == 200
         assert (await complete(session, gw, "a1"))[0] == 200  # a0 is idle now: it makes room
+
+
+async def test_a_load_waiting_for_a_slot_lets_go_of_the_replica_for_other_loads(
+        fake_replica: FakeFactory, gateway_for: GatewayFactory) -> None:
+    """Both slots busy, a load of a0 waits for one. A request for a1, which the replica lists but this gateway's
+    picture says it does not (as another worker's stale view can), counts as in flight on a1 while it waits for its
+    own load, which needs the replica's lock: the waiting load lets go of the lock, so that request is served, a1
+    frees, and a0 gets its slot (seen once in a full-suite run on real vLLM: a0 failed 'busy' after 60 s)."""
+    fake = await fake_replica(itl_s=0.05)
+    gw = await gateway_for([fake.url], lora=lora(max_loras=2, load_timeout_s=2))
+    assert gw.gateway.adapters is not None
+    holdings = gw.gateway.adapters.holdings
+    async with aiohttp.ClientSession() as session:
+        long = asyncio.create_task(complete(session, gw, "a2", max_tokens=80, stream=True))  # 4 s: past the timeout
+        short = asyncio.create_task(complete(session, gw, "a1", max_tokens=8, stream=True))
+        while fake.stats.running < 2:
+            await asyncio.sleep(0.01)
+        waiting = asyncio.create_task(complete(session, gw, "a0"))
+        await asyncio.sleep(0.1)  # a0's load is waiting for a slot
+        holdings.set_held(fake.url, "a1", False, time.time())  # the stale view
+        stale = asyncio.create_task(complete(session, gw, "a1"))
+        assert (await short)[0] == 200
+        assert (await stale)[0] == 200
+        status, body, _ = await waiting
+        assert status == 200 and body["model"] == "a0", body
+        assert (await long)[0] == 200
+    assert ("unload", "a1") in fake.stats.lora_events and ("unload", "a2") not in fake.stats.lora_events
 
 
 async def test_unknown_adapter_is_a_404_and_loses_nothing(fake_replica: FakeFactory,
