@@ -71,8 +71,11 @@ async def first_token(client: httpx.AsyncClient, model: str, band: str, tenant: 
 
 
 async def phase(base_url: str, model: str, flood: int, samples: int, gap_s: float, batch_tokens: int = 32,
-                interactive_tokens: int = 4) -> Phase:
-    """`samples` interactive requests, one every `gap_s`, while `flood` batch clients send back to back."""
+                interactive_tokens: int = 4, flood_as: tuple[str, str] = ("batch", "batch")) -> Phase:
+    """`samples` interactive requests, one every `gap_s`, while `flood` batch clients send back to back: in the
+    batch band as tenant "batch" by default; `flood_as=("interactive", "heavy")` makes the flood one heavy tenant
+    of the same band, which only fairness between tenants keeps in its place."""
+    flood_band, flood_tenant = flood_as
     stop = asyncio.Event()
     done = failed = 0
 
@@ -80,7 +83,7 @@ async def phase(base_url: str, model: str, flood: int, samples: int, gap_s: floa
         nonlocal done, failed
         while not stop.is_set():
             try:
-                await first_token(client, model, "batch", "batch", batch_tokens)
+                await first_token(client, model, flood_band, flood_tenant, batch_tokens)
                 done += 1
             except (RuntimeError, httpx.HTTPError):
                 failed += 1
@@ -103,12 +106,15 @@ async def phase(base_url: str, model: str, flood: int, samples: int, gap_s: floa
 
 
 async def compare(replica: str, model: str, cap: int, headroom: int, flood: int, samples: int,
-                  gap_s: float, fifo_samples: int = 5) -> dict[str, Phase]:
-    """Interactive alone, then under the flood with priorities off (first come first served) and on."""
+                  gap_s: float, fifo_samples: int = 5, tenants: bool = False) -> dict[str, Phase]:
+    """Interactive alone, then under the flood with priorities off (first come first served) and on; with
+    `tenants`, also under a flood of one heavy tenant in the same band (fairness, not priority)."""
     out = {}
     async with gateway(gateway_config(replica, cap, headroom)) as url:
         out["alone"] = await phase(url, model, 0, samples, gap_s)
         out["priority"] = await phase(url, model, flood, samples, gap_s)
+        if tenants:
+            out["tenants"] = await phase(url, model, flood, samples, gap_s, flood_as=("interactive", "heavy"))
     async with gateway(gateway_config(replica, cap, 0, ordered=False)) as url:
         out["fifo"] = await phase(url, model, flood, fifo_samples, gap_s)  # seconds each: a few show it
     return out
@@ -124,9 +130,10 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=20)
     parser.add_argument("--gap", type=float, default=0.1)
     parser.add_argument("--fifo-samples", type=int, default=5)
+    parser.add_argument("--tenants", action="store_true", help="also a flood of one heavy tenant in the same band")
     args = parser.parse_args()
     result = asyncio.run(compare(args.replica, args.model, args.cap, args.headroom, args.flood, args.samples,
-                                 args.gap, args.fifo_samples))
+                                 args.gap, args.fifo_samples, args.tenants))
     for name, ph in result.items():
         print(f"{name:9s} p50 {ph.p(50) * 1e3:7.0f} ms  p90 {ph.p(90) * 1e3:7.0f} ms  p99 {ph.p(99) * 1e3:7.0f} ms  "
               f"batch done {ph.batch_done} failed {ph.batch_failed}")

@@ -4,7 +4,9 @@ One vLLM-CPU replica of the tiny model, run with `--scheduling-policy priority` 
 passes on are accepted), behind an in-process gateway that holds requests past 4 in flight on it
 (`max_requests: 4`), keeps 2 of those for kinds with nothing else queued (`queue.headroom: 2`) and serves its queue
 by priority. Eight batch clients send back to back (priority 10); interactive requests (priority 0) come one
-every 0.1 s, alone first, then under the flood, then under the flood with the queue first come first served.
+every 0.1 s, alone first, then under the flood, then under a flood of eight clients of one heavy tenant in the
+interactive band itself (only fairness between tenants and the headroom keep it in its place), then under the batch
+flood with the queue first come first served.
 
 The margin is decided from runs on the 2-core CI VM while others worked on it (docs/priority.md): the issue's
 figure (p99 within 1.2 x alone) is printed, and what is asserted are bounds on p50 and p90 that held on every run
@@ -57,14 +59,19 @@ def replica(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 
 def test_interactive_keeps_its_ttft_under_a_batch_flood(replica: str) -> None:
-    """By priority, interactive p99 TTFT under the flood stays near its run alone; first come first served, not."""
-    result = asyncio.run(compare(replica, MODEL, CAP, HEADROOM, FLOOD, SAMPLES, GAP_S, fifo_samples=3))
-    alone, priority, fifo = result["alone"], result["priority"], result["fifo"]
+    """By priority, interactive p99 TTFT under the flood stays near its run alone; first come first served, not.
+    And a light tenant's, under a flood of one heavy tenant in its own band, by fairness and the headroom."""
+    result = asyncio.run(compare(replica, MODEL, CAP, HEADROOM, FLOOD, SAMPLES, GAP_S, fifo_samples=3, tenants=True))
+    alone, priority, fifo, tenants = result["alone"], result["priority"], result["fifo"], result["tenants"]
     report = {name: f"p50 {ph.p(50) * 1e3:.0f} ms, p90 {ph.p(90) * 1e3:.0f} ms, p99 {ph.p(99) * 1e3:.0f} ms"
               for name, ph in result.items()}
     print(f"interactive TTFT: {report}; under the flood by priority: p99 {priority.p(99) / alone.p(99):.2f} x alone "
-          f"(the issue's mark: 1.2), p90 {priority.p(90) / alone.p(90):.2f} x")
+          f"(the issue's mark: 1.2), p90 {priority.p(90) / alone.p(90):.2f} x; under a heavy tenant: p99 "
+          f"{tenants.p(99) / alone.p(99):.2f} x, p90 {tenants.p(90) / alone.p(90):.2f} x")
     assert priority.batch_done > 0 and priority.batch_failed == 0, "the batch flood ran (its priority accepted)"
+    assert tenants.batch_done > 0 and tenants.batch_failed == 0, "the heavy tenant's flood ran"
+    assert tenants.p(50) <= RATIO * alone.p(50) + SLACK_S, report
+    assert tenants.p(90) <= RATIO * alone.p(90) + 2 * SLACK_S, report
     # p50 and p90, not p99: of 30 samples p99 is the slowest one, which one busy moment of a shared 2-core VM decides
     assert priority.p(50) <= RATIO * alone.p(50) + SLACK_S, report
     assert priority.p(90) <= RATIO * alone.p(90) + 2 * SLACK_S, report
