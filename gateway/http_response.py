@@ -76,11 +76,9 @@ class Responder:
     def send_now(self, data: bytes) -> bool:
         """One chunk, written at once if the client is keeping up; False (nothing written) where `send` must wait
         for it, or raise because it went away."""
-        if self._head or not data:
+        if self._head:
             return False
-        if self._request.http11:  # _framed, inline: this runs once per streamed token
-            data = b"%x\r\n%b\r\n" % (len(data), data)
-        return self._conn.write_now(data)
+        return self._conn.write_now(self._framed(data))
 
     async def finish(self) -> None:
         """End a streamed response (the head too, if no chunk was sent), unless its last chunk ended it."""

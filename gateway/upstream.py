@@ -88,15 +88,9 @@ class _Connection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.received = True
-        if self.sink is None:
-            try:
-                self._parser.feed_data(data)
-            except httptools.HttpParserError as exc:
-                self._malformed(exc)
-            return
-        # A read often holds several chunks (tokens that came out together): they reach the sink as one part, one
-        # write to the client instead of one per chunk.
-        gathered: list[bytes] = []
+        # A read often holds several chunks (tokens that came out together): with a sink they reach it as one
+        # part, one write to the client instead of one per chunk.
+        gathered: list[bytes] | None = [] if self.sink is not None else None
         self._gathered = gathered
         error = None
         try:
@@ -107,11 +101,8 @@ class _Connection(asyncio.Protocol):
         if gathered:
             self._deliver(gathered[0] if len(gathered) == 1 else b"".join(gathered))
         if error is not None:
-            self._malformed(error)
-
-    def _malformed(self, exc: httptools.HttpParserError) -> None:
-        self._fail(ConnectionError(f"malformed HTTP from the replica: {exc}"))
-        self.close()
+            self._fail(ConnectionError(f"malformed HTTP from the replica: {error}"))
+            self.close()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._pool.forget(self)
