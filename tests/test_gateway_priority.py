@@ -22,9 +22,9 @@ from gateway.tenancy import Classifier, key_tenant
 from tests.conftest import FakeFactory, GatewayFactory
 
 
-def router(order: PriorityOrder | None, max_size: int = 50) -> Router:
+def router(order: PriorityOrder | None, max_size: int = 50, max_requests: int = 1) -> Router:
     r = Router(make_policy("least_outstanding_tokens"), QueueConfig(max_size=max_size, max_wait_s=5),
-               [ReplicaConfig(url="http://r0:8000", max_requests=1)], order=order)
+               [ReplicaConfig(url="http://r0:8000", max_requests=max_requests)], order=order)
     for replica in r.replicas.values():
         replica.healthy, replica.models = True, frozenset({"m"})
     return r
@@ -128,10 +128,8 @@ async def test_a_full_queue_gives_an_urgent_newcomer_the_least_urgent_place() ->
 
 async def test_headroom_keeps_a_slot_for_a_tenant_with_nothing_queued() -> None:
     """A tenant with several queued leaves `headroom` slots free; another tenant's request takes one at once."""
-    r = Router(make_policy("least_outstanding_tokens"), QueueConfig(max_size=50, max_wait_s=5),
-               [ReplicaConfig(url="http://r0:8000", max_requests=4)], order=PriorityOrder(fair=True, headroom=1))
+    r = router(PriorityOrder(fair=True, headroom=1), max_requests=4)
     replica = next(iter(r.replicas.values()))
-    replica.healthy, replica.models = True, frozenset({"m"})
     heavy = [asyncio.create_task(r.acquire(info("heavy"))) for _ in range(6)]
     await settle()
     assert replica.inflight == 4 and r.queue_depth == 2
@@ -153,10 +151,8 @@ async def test_headroom_keeps_a_slot_for_a_tenant_with_nothing_queued() -> None:
 async def test_headroom_is_not_kept_from_the_least_served_tenant() -> None:
     """A light tenant's burst queued behind a flood may use the headroom (it is within its share); the flood may not."""
     order = PriorityOrder(fair=True, headroom=2)
-    r = Router(make_policy("least_outstanding_tokens"), QueueConfig(max_size=50, max_wait_s=5),
-               [ReplicaConfig(url="http://r0:8000", max_requests=4)], order=order)
+    r = router(order, max_requests=4)
     replica = next(iter(r.replicas.values()))
-    replica.healthy, replica.models = True, frozenset({"m"})
     held = [r.try_acquire(info("heavy")) for _ in range(4)]
     heavy = [asyncio.create_task(r.acquire(info("heavy"))) for _ in range(3)]
     light = [asyncio.create_task(r.acquire(info("light"))) for _ in range(2)]
@@ -178,10 +174,8 @@ async def test_headroom_is_not_kept_from_the_least_served_tenant() -> None:
 async def test_headroom_goes_to_the_more_urgent_band() -> None:
     """A band with several queued may use the headroom while a less urgent band is queued behind it."""
     order = PriorityOrder(fair=False, headroom=2)
-    r = Router(make_policy("least_outstanding_tokens"), QueueConfig(max_size=50, max_wait_s=5),
-               [ReplicaConfig(url="http://r0:8000", max_requests=4)], order=order)
+    r = router(order, max_requests=4)
     replica = next(iter(r.replicas.values()))
-    replica.healthy, replica.models = True, frozenset({"m"})
     held = [r.try_acquire(info()) for _ in range(4)]
     batch = [asyncio.create_task(r.acquire(info("b", 10))) for _ in range(3)]
     urgent = [asyncio.create_task(r.acquire(info("i", 0))) for _ in range(2)]
