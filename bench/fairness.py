@@ -4,8 +4,9 @@ Setup (as `bench.routing`): four OPT-1.3B replicas on one H100 64 GB, each with 
 each replica at `--cap` requests in flight (default 32), so past saturation the gateway's admission queue holds the
 rest, and its order decides who waits; the last variant of each case keeps `--headroom` of those slots (default 16)
 for kinds within their share, which holds a flood to `cap - headroom` per replica. Those defaults are the widest
-settings found to meet the mark (docs/priority.md: at cap 64 it is missed whatever the headroom). Requests: ShareGPT-like lengths, Poisson arrivals, `--seconds` of simulated
-arrivals (default 60), routed by `estimated_ttft`. C is the node's capacity for the mix (requests/s).
+settings found to meet the mark (docs/priority.md: at cap 64 it is missed whatever the headroom). Requests:
+ShareGPT-like lengths, Poisson arrivals, `--seconds` of simulated arrivals (default 60), routed by
+`estimated_ttft`. C is the node's capacity for the mix (requests/s).
 
 - tenants: three light tenants at 0.1 C each (0.3 C together), one heavy tenant at 10 x a light one's rate (1.0 C),
   1.3 C in all. The light tenants' p99 TTFT alone (no heavy tenant) against with the heavy tenant, with the queue
