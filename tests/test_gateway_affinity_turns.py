@@ -83,78 +83,110 @@ def test_consistent_hash_sends_every_keyed_request_to_its_first_choice_whatever_
     assert policy.pick(replicas, RequestInfo("m", 10, 10, True)) is not home
 
 
+SEEDS = tuple(range(10))
+# A key's replica order hashes the replica URLs: fixed ports (below Linux's ephemeral range) make a run repeatable
+REPLICA_PORT = 28431
 CHATS, START_GAP_S = 16, 0.05  # conversations, and their mean gap: they overlap, as the issue's Poisson starts do
 
 
-async def chats_hit_rate(aiohttp_server: Any, gateway_for: Any, policy: str) -> tuple[float, list[list[str]]]:
+async def chats_hit_rate(policy: str, seed: int) -> tuple[float, list[list[str]]]:
     """CHATS chats starting as a Poisson process (seeded) over three fresh simulated replicas with prefix caching,
     turns sent alternately through two gateways, the second replaced by a fresh one (a restart) after the first
-    chat's second turn: the replicas' prefix-cache hit rate and each chat's replicas."""
+    chat's second turn: the replicas' prefix-cache hit rate and each chat's replicas.
+
+    The same every run: the replicas' steps, the gateways and the clients share one virtual clock (`sim.vloop`),
+    and the replicas listen on fixed ports (a key's replica order hashes their URLs). Each seed is another start
+    schedule and another set of ports, so other chats share a home. Before, on OS-given ports and real time, 3 of 8
+    runs on a quiet machine fell below the goal: the ports and timing drawn, not a change in the code."""
     import asyncio
+    import contextlib
     import re
 
     import aiohttp
     import openai
+    from aiohttp import web
 
+    from gateway.app import running
+    from gateway.config import from_mapping
     from sim.clock import LoopClock
     from sim.gpus import get_gpu
     from sim.model import load_model
     from sim.node import Node, NodeSpec
     from sim.server import make_app
 
-    # OPT-1.3B, not 125M: with steps of a few ms a busy CPU's scheduling jitter was the replicas' load, and moved
-    # chats (with two busy loops on the 2 cores: 5 of 20 runs failed with 125M, none of 13 with 1.3B)
     node = Node(NodeSpec(load_model("opt-1.3b"), get_gpu("H100-80GB"), 3, 64, prefix_caching=True),
                 LoopClock(asyncio.get_running_loop()))
-    urls = []
-    for i, engine in enumerate(node.engines):
-        server = await aiohttp_server(make_app(engine, "sim", seed=i))
-        urls.append(str(server.make_url("")).rstrip("/"))
-    # a probe's answer may take a while when the in-process replicas are busy: no ejection for a slow probe
-    health = {"interval_s": 60, "timeout_s": 30}
-    gateways = [await gateway_for(urls, policy=policy, health=health) for _ in range(2)]
-    system = {"role": "system", "content": "You answer questions about serving. " * 6}
+    async with contextlib.AsyncExitStack() as stack:
+        urls = []
+        for i, engine in enumerate(node.engines):
+            runner = web.AppRunner(make_app(engine, "sim", seed=i))
+            await runner.setup()
+            stack.push_async_callback(runner.cleanup)
+            site = web.TCPSite(runner, "127.0.0.1", REPLICA_PORT + 3 * seed + i)
+            try:
+                await site.start()
+            except OSError:  # taken: any port (the replicas' ranks, and so the result, then differ)
+                site = web.TCPSite(runner, "127.0.0.1", 0)
+                await site.start()
+            urls.append(f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}")  # type: ignore[union-attr]
 
-    async def conversation(c: int, start: float) -> list[str]:
-        await asyncio.sleep(start)
-        messages: list[Any] = [system, {"role": "user", "content": f"Chat {c}: " + "why cache prefixes? " * 30}]
-        served = []
-        for turn in range(4):
-            async with openai.AsyncOpenAI(base_url=gateways[turn % 2].base_url, api_key="none",
-                                          max_retries=0) as client:
-                raw = await client.chat.completions.with_raw_response.create(
+        async def client() -> openai.AsyncOpenAI:
+            """A client of a fresh gateway, its first call made (the SDK asks the platform in a thread once: a
+            thread's real time is not on the virtual clock, so it goes before the chats start)."""
+            config = from_mapping({"replicas": urls, "host": "127.0.0.1", "port": 0, "policy": policy,
+                                   "health": {"interval_s": 60, "timeout_s": 30}})
+            gw, port = await stack.enter_async_context(running(config, grace_s=1))
+            assert gw.health is not None
+            await gw.health.probe_all()
+            sdk = await stack.enter_async_context(openai.AsyncOpenAI(
+                base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0))
+            await sdk.models.list()
+            return sdk
+
+        # the third gateway replaces the second after chat 0's second turn (a restart: it has served nothing)
+        clients = [await client() for _ in range(3)]
+        system = {"role": "system", "content": "You answer questions about serving. " * 6}
+
+        async def conversation(c: int, start: float) -> list[str]:
+            await asyncio.sleep(start)
+            messages: list[Any] = [system, {"role": "user", "content": f"Chat {c}: " + "why cache prefixes? " * 30}]
+            served = []
+            for turn in range(4):
+                raw = await clients[turn % 2].chat.completions.with_raw_response.create(
                     model="sim", messages=messages, max_tokens=32, extra_body={"ignore_eos": True})
-            served.append(raw.headers["x-gateway-replica"])
-            messages += [{"role": "assistant", "content": raw.parse().choices[0].message.content or ""},
-                         {"role": "user", "content": "and then? " * 10}]
-            if turn == 1 and c == 0:
-                gateways[1] = await gateway_for(urls, policy=policy, health=health)  # restarted: no memory
-        return served
+                served.append(raw.headers["x-gateway-replica"])
+                messages += [{"role": "assistant", "content": raw.parse().choices[0].message.content or ""},
+                             {"role": "user", "content": "and then? " * 10}]
+                if turn == 1 and c == 0:
+                    clients[1] = clients.pop()  # restarted: no memory
+            return served
 
-    rng, start, starts = random.Random(7), 0.0, []
-    for _ in range(CHATS):
-        starts.append(start)
-        start += rng.expovariate(1 / START_GAP_S)
-    chats = await asyncio.gather(*(conversation(c, s) for c, s in enumerate(starts)))
-    hits = queries = 0.0
-    async with aiohttp.ClientSession() as session:
-        for url in urls:
-            text = await (await session.get(f"{url}/metrics")).text()
-            hits += float(re.search(r"^vllm:prefix_cache_hits_total\{[^}]*\} (\S+)$", text, re.M).group(1))  # type: ignore
-            queries += float(re.search(r"^vllm:prefix_cache_queries_total\{[^}]*\} (\S+)$", text,
-                                       re.M).group(1))  # type: ignore
+        rng, start, starts = random.Random(seed), 0.0, []
+        for _ in range(CHATS):
+            starts.append(start)
+            start += rng.expovariate(1 / START_GAP_S)
+        chats = await asyncio.gather(*(conversation(c, s) for c, s in enumerate(starts)))
+        hits = queries = 0.0
+        async with aiohttp.ClientSession() as session:
+            for url in urls:
+                text = await (await session.get(f"{url}/metrics")).text()
+                hits += float(re.search(r"^vllm:prefix_cache_hits_total\{[^}]*\} (\S+)$", text, re.M).group(1))  # type: ignore
+                queries += float(re.search(r"^vllm:prefix_cache_queries_total\{[^}]*\} (\S+)$", text,
+                                           re.M).group(1))  # type: ignore
     return hits / queries, chats
 
 
-async def test_concurrent_conversations_across_gateways_and_a_restart_hit_the_cache_as_if_pinned(
-        aiohttp_server: Any, gateway_for: Any) -> None:
+def test_concurrent_conversations_across_gateways_and_a_restart_hit_the_cache_as_if_pinned() -> None:
     """Chats starting close together, turns alternating between two gateways, one restarted midway: the default's
     prefix-cache hit rate is within 5 points of consistent_hash's (every chat pinned to one replica), and most
     chats never move (placement depends on the request and the replicas' load, not on a gateway's memory)."""
-    pinned, pinned_chats = await chats_hit_rate(aiohttp_server, gateway_for, "consistent_hash")
-    default, chats = await chats_hit_rate(aiohttp_server, gateway_for, "prefix_affinity")
-    assert all(len(set(served)) == 1 for served in pinned_chats)
-    assert default >= pinned - 0.05, (default, pinned)  # the issue's goal: within 5 points of sticky
-    # most chats never move (how many does depend on timing: which replica is busiest when a turn arrives)
-    assert sum(len(set(served)) == 1 for served in chats) >= CHATS // 2, [[u[-5:] for u in s] for s in chats]
-    assert len({served[0] for served in chats}) > 1  # and the chats spread over the replicas
+    from sim.vloop import run
+
+    for seed in SEEDS:
+        pinned, pinned_chats = run(chats_hit_rate("consistent_hash", seed))
+        default, chats = run(chats_hit_rate("prefix_affinity", seed))
+        assert all(len(set(served)) == 1 for served in pinned_chats)
+        assert default >= pinned - 0.05, (seed, default, pinned)  # the issue's goal: within 5 points of sticky
+        # most chats never move (the others moved off a home that was busiest when a turn arrived)
+        assert sum(len(set(served)) == 1 for served in chats) >= CHATS // 2, [[u[-5:] for u in s] for s in chats]
+        assert len({served[0] for served in chats}) > 1  # and the chats spread over the replicas

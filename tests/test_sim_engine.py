@@ -182,3 +182,22 @@ def test_sharegpt_like_means_follow_the_reference() -> None:
     assert np.mean([s.prompt_tokens for s in specs]) == pytest.approx(110.6, rel=0.03)
     assert np.mean([s.output_tokens for s in specs]) == pytest.approx(291.6, rel=0.03)
     assert max(s.prompt_tokens + s.output_tokens for s in specs) <= 2048
+
+
+def test_the_virtual_loop_waits_for_executor_work_before_moving_its_clock() -> None:
+    """A thread's real time is not on the virtual clock: while executor work (an HTTP client's getaddrinfo) runs,
+    the clock stands still instead of jumping to the next timer."""
+    import asyncio
+    import time
+
+    from sim.vloop import run
+
+    async def main() -> tuple[float, float]:
+        loop = asyncio.get_running_loop()
+        loop.call_later(5.0, lambda: None)  # the next timer: a jumping clock would be there by the job's end
+        await loop.run_in_executor(None, time.sleep, 0.05)
+        during = loop.time()
+        await asyncio.sleep(1.0)
+        return during, loop.time()
+
+    assert run(main()) == (0.0, 1.0)
