@@ -20,7 +20,7 @@ from deploy.launch import DEFAULT_MODEL, DEFAULT_PORT, DEFAULT_REPLICAS, PlanOpt
     launches, with_models
 from deploy.models import ModelError, ResolvedModel, resolve
 from deploy.plan import Plan, PlanError, load
-from deploy.process import StopFlag
+from deploy.process import REPLICA_NICE, StopFlag
 from deploy.rolling import RollingConfig, RollingError, rolling_restart
 from deploy.tinylora import ensure_tiny_adapter
 from deploy.tinymodel import default_cache_dir, ensure_tiny_model
@@ -59,6 +59,9 @@ def _parser() -> argparse.ArgumentParser:
                     help="a restarted replica whose log stays silent this many seconds is wedged: stopped and "
                          "started again (default 180; 0: never)")
     up.add_argument("--hub-timeout", type=float, default=5.0, help="seconds to wait for the Hugging Face hub")
+    up.add_argument("--replica-nice", type=int, default=REPLICA_NICE, metavar="N",
+                    help=f"run the replicas N steps below normal CPU priority, so that the gateway and clients on "
+                         f"their machine come first (0-19; default {REPLICA_NICE}; 0: same as the gateway)")
     up.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
     up.add_argument("--admin-key", help="the gateway's admin API key (default: a new random one, written to "
                     "RUN_DIR/admin.key)")
@@ -162,6 +165,8 @@ def build_up_config(args: argparse.Namespace) -> UpConfig:
             raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)!r}")
     if args.silent_start_timeout < 0:
         raise ValueError(f"--silent-start-timeout must be 0 (off) or positive, got {args.silent_start_timeout!r}")
+    if not 0 <= args.replica_nice <= 19:
+        raise ValueError(f"--replica-nice must be 0-19, got {args.replica_nice!r}")
     hardware = detect(args.device)
     plan = build_plan(args, hardware)
     resolved = resolve_models(plan, args.hub_timeout)
@@ -172,7 +177,7 @@ def build_up_config(args: argparse.Namespace) -> UpConfig:
     return UpConfig(plan=plan, launches=tuple(launches(plan, hardware)), hardware=hardware,
                     run_dir=args.run_dir or run_state.default_run_dir(), model_label=label, host=args.host,
                     mps=args.mps and bool(hardware.gpus), startup_timeout_s=args.startup_timeout,
-                    silent_start_s=args.silent_start_timeout or None,
+                    silent_start_s=args.silent_start_timeout or None, replica_nice=args.replica_nice,
                     log_level=args.log_level, admin_key=args.admin_key)
 
 

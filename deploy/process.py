@@ -30,6 +30,9 @@ from deploy.plan import ReplicaSpec
 logger = logging.getLogger(__name__)
 
 POLL_S = 0.5
+# How far below normal CPU priority a vLLM replica runs: on a machine it shares with the gateway and load
+# generators, they come first (docs/deploy.md, "CPU priority"). 0: as any process.
+REPLICA_NICE = 10
 
 
 class ProcessError(RuntimeError):
@@ -121,12 +124,34 @@ def _confined(cpus: frozenset[int]) -> Iterator[None]:
         os.sched_setaffinity(0, before)
 
 
+def lower_priority(pid: int, nice: int) -> None:
+    """Run process `pid`, and what it starts from now on, `nice` steps below normal CPU priority.
+
+    Two settings, for two kinds of kernel: the process's own nice value (its threads and children inherit it), and
+    its session's autogroup's. Where the kernel groups threads by session (CONFIG_SCHED_AUTOGROUP, on by default on
+    desktop and many cloud kernels), a session's threads share one weight against other sessions', and a nice value
+    only orders threads within the session: only the autogroup's nice puts another session first.
+    """
+    if nice == 0:
+        return
+    try:
+        os.setpriority(os.PRIO_PROCESS, pid, nice)
+        Path(f"/proc/{pid}/autogroup").write_text(str(nice))
+    except FileNotFoundError:
+        pass  # no autogroup in this kernel (or not Linux): the nice value alone orders it
+    except ProcessLookupError:
+        pass  # it exited at once: wait_ready reports that, with its log
+
+
 class ManagedProcess:
-    """A command run in its own process group, logged to a file, healthy when `health_url` answers 200."""
+    """A command run in its own process group, logged to a file, healthy when `health_url` answers 200; `nice`
+    steps below normal CPU priority (`lower_priority`)."""
 
     def __init__(self, name: str, argv: Sequence[str], log_path: str | Path, health_url: str,
                  env: Mapping[str, str] | None = None, *, startup_timeout_s: float = 600.0,
-                 stop_grace_s: float = 10.0, cpus: Sequence[int] = ()) -> None:
+                 stop_grace_s: float = 10.0, cpus: Sequence[int] = (), nice: int = 0) -> None:
+        if not 0 <= nice <= 19:
+            raise ValueError(f"nice must be 0-19, got {nice!r}")
         self.name = name
         self.argv = tuple(argv)
         self.log_path = Path(log_path)
@@ -135,6 +160,7 @@ class ManagedProcess:
         self.startup_timeout_s = startup_timeout_s
         self.stop_grace_s = stop_grace_s
         self.cpus = frozenset(cpus)  # the cores it may run on (inherited by its children); empty: any
+        self.nice = nice
         self._proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -152,6 +178,7 @@ class ManagedProcess:
             with _confined(self.cpus):
                 self._proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT,
                                               stdin=subprocess.DEVNULL, env=self.env, start_new_session=True)
+        lower_priority(self._proc.pid, self.nice)  # at once: the threads and children it starts inherit it
         logger.info("%s started, pid %d, log %s", self.name, self._proc.pid, self.log_path)
 
     def poll(self) -> int | None:
@@ -261,7 +288,8 @@ def vllm_env(spec: ReplicaSpec, env: Mapping[str, str] | None = None) -> dict[st
 
 
 class VllmServer(ManagedProcess):
-    """One vLLM OpenAI server for `spec`, in its own process group; a context manager.
+    """One vLLM OpenAI server for `spec`, in its own process group, `nice` below normal CPU priority (default
+    REPLICA_NICE: the gateway and clients on its machine come first); a context manager.
 
     `with VllmServer(spec, log_path, env) as s:` returns once `/health` is 200 (or raises ProcessDied /
     StartupTimeout, having stopped what it started) and kills the whole group on exit.
@@ -269,13 +297,13 @@ class VllmServer(ManagedProcess):
 
     def __init__(self, spec: ReplicaSpec, log_path: str | Path, env: Mapping[str, str] | None = None, *,
                  host: str = "127.0.0.1", startup_timeout_s: float = 600.0, stop_grace_s: float = 10.0,
-                 python: str = sys.executable, cpus: Sequence[int] = ()) -> None:
+                 python: str = sys.executable, cpus: Sequence[int] = (), nice: int = REPLICA_NICE) -> None:
         probe_host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
         self.spec = spec
         self.url = f"http://{probe_host}:{spec.port}"
         super().__init__(spec.name, vllm_argv(spec, host, python), log_path, f"{self.url}/health",
                          vllm_env(spec, env), startup_timeout_s=startup_timeout_s, stop_grace_s=stop_grace_s,
-                         cpus=cpus)
+                         cpus=cpus, nice=nice)
 
     def __enter__(self) -> VllmServer:
         super().__enter__()

@@ -26,7 +26,7 @@ from deploy.hardware import Hardware
 from deploy.launch import Launch, gateway_config, local_tokenizers
 from deploy.mps import MpsDaemon
 from deploy.plan import Plan
-from deploy.process import CancelToken, ManagedProcess, ProcessError, VllmServer, probe
+from deploy.process import REPLICA_NICE, CancelToken, ManagedProcess, ProcessError, VllmServer, probe
 from deploy.supervisor import Backoff, Supervisor
 
 logger = logging.getLogger(__name__)
@@ -54,6 +54,7 @@ class UpConfig:
     startup_timeout_s: float = 600.0
     silent_start_s: float | None = 180.0  # a restart whose log stays silent this long is retried (None: never)
     stop_grace_s: float = 10.0
+    replica_nice: int = REPLICA_NICE  # replicas run this far below normal CPU priority (0: as the gateway)
     backoff: Backoff = field(default_factory=Backoff)
     base_env: Mapping[str, str] | None = None  # default: this process's environment
     python: str = sys.executable
@@ -153,7 +154,8 @@ class Deployment:
             env = {**base, **extra, **launch.env}
             server = VllmServer(launch.spec, config.run_dir / "logs" / f"{launch.spec.name}.log", env,
                                 host=config.replica_host, startup_timeout_s=config.startup_timeout_s,
-                                stop_grace_s=config.stop_grace_s, python=config.python, cpus=launch.cpus)
+                                stop_grace_s=config.stop_grace_s, python=config.python, cpus=launch.cpus,
+                                nice=config.replica_nice)
             print(f"deploy: starting replica {launch.spec.name} on {server.url} (log {server.log_path})",
                   file=sys.stderr, flush=True)
             started = time.monotonic()

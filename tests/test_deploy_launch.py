@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from deploy.cli import _parser, build_plan
+from deploy.cli import _parser, build_plan, build_up_config
 from deploy.hardware import Gpu, Hardware, cpu_list, split_cpus
 from deploy.launch import PlanOptions, default_plan, fit_to_hardware, gateway_config, launches, local_tokenizers, \
     with_models
@@ -183,3 +183,10 @@ def test_bad_replica_count_is_refused() -> None:
     """--replicas 0 is an error naming the value."""
     with pytest.raises(ValueError, match="--replicas"):
         PlanOptions(replicas=0)
+
+
+def test_replica_nice_defaults_to_below_the_gateway_and_out_of_range_is_refused() -> None:
+    """Replicas run 10 below normal priority unless told; --replica-nice past 0-19 is an error naming the flag."""
+    assert _parser().parse_args(["up"]).replica_nice == 10
+    with pytest.raises(ValueError, match="--replica-nice"):
+        build_up_config(_parser().parse_args(["up", "--replica-nice", "20"]))

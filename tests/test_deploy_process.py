@@ -136,3 +136,28 @@ def test_a_process_with_cpus_starts_confined_to_them_and_the_starter_is_not(tmp_
     assert proc.poll() == 0, tail(tmp_path / "p.log")
     assert out.read_text() == repr([core])
     assert os.sched_getaffinity(0) == before
+
+
+def test_a_process_with_nice_runs_below_normal_priority_as_do_its_children_and_its_session(tmp_path: Path) -> None:
+    """`nice`: the process and a child it starts later run that far below normal priority; where the kernel
+    groups threads by session (autogroup), the session's group does too; the starter keeps its own."""
+    out = tmp_path / "nice"
+    child = "import os; print(os.nice(0))"
+    code = (f"import os, pathlib, subprocess, sys, time; time.sleep(0.2); "
+            f"kid = subprocess.run([sys.executable, '-c', {child!r}], capture_output=True, text=True).stdout.strip(); "
+            f"group = pathlib.Path('/proc/self/autogroup'); "
+            f"pathlib.Path({str(out)!r}).write_text(f'{{os.nice(0)}} {{kid}} ' + "
+            f"(group.read_text().split()[-1] if group.exists() else 'none'))")
+    ours = os.nice(0)
+    proc = ManagedProcess("p", [sys.executable, "-c", code], tmp_path / "p.log", "http://127.0.0.1:9/health", nice=7)
+    proc.start()
+    deadline = time.monotonic() + 30
+    while proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert proc.poll() == 0, tail(tmp_path / "p.log")
+    own, kid, group = out.read_text().split()
+    assert (int(own), int(kid)) == (7, 7)
+    assert group == "none" or int(group) == 7
+    assert os.nice(0) == ours
+    with pytest.raises(ValueError, match="0-19"):
+        ManagedProcess("p", ["true"], tmp_path / "q.log", "http://127.0.0.1:9/health", nice=20)

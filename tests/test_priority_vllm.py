@@ -8,9 +8,12 @@ every 0.1 s, alone first, then under the flood, then under a flood of eight clie
 interactive band itself (only fairness between tenants and the headroom keep it in its place), then under the batch
 flood with the queue first come first served.
 
-The margin is decided from runs on the 2-core CI VM while others worked on it (docs/priority.md): the issue's
-figure (p99 within 1.2 x alone) is printed, and what is asserted are bounds on p50 and p90 that held on every run
-there (measured p50 ratios 1.25-3.0 x, p90 0.9-2.2 x but once 9 x alone at 61 ms; FIFO 12-36 x the p50).
+The replica runs 10 below normal CPU priority (deploy's default, `deploy.process.REPLICA_NICE`): at normal
+priority its worker's busy-polling took both cores for a second at a time from this process (the gateway and the
+clients), and those stalls decided p99 (docs/priority.md). Asserted: the issue's mark, p99 within 1.2 x alone, with
+10 ms of slack (a scheduler tick or two on a 2-core VM; measured 0.52-1.03 x by priority and 0.66-0.68 x under the
+heavy tenant in 3 runs), and p50 and p90 bounds that held on every run before (p50 ratios 1.25-3.0 x, p90 0.9-2.2 x
+but once 9 x alone at 61 ms; FIFO 12-36 x the p50).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ MODEL = "tiny-opt"
 CAP, HEADROOM, FLOOD, SAMPLES, GAP_S = 4, 2, 8, 30, 0.1
 SLACK_S = 0.3  # absolute slack for one slow step of a loaded 2-core machine
 RATIO = 3.0  # interactive p50 (p90) under the flood at most this x alone, plus SLACK_S (2 x); docs/priority.md
+MARK, MARK_SLACK_S = 1.2, 0.010  # the issue's: p99 under the flood at most 1.2 x alone (plus a tick or two)
 
 
 def free_port() -> int:
@@ -70,9 +74,10 @@ def test_interactive_keeps_its_ttft_under_a_batch_flood(replica: str) -> None:
           f"{tenants.p(99) / alone.p(99):.2f} x, p90 {tenants.p(90) / alone.p(90):.2f} x")
     assert priority.batch_done > 0 and priority.batch_failed == 0, "the batch flood ran (its priority accepted)"
     assert tenants.batch_done > 0 and tenants.batch_failed == 0, "the heavy tenant's flood ran"
+    assert priority.p(99) <= MARK * alone.p(99) + MARK_SLACK_S, report
+    assert tenants.p(99) <= MARK * alone.p(99) + MARK_SLACK_S, report
     assert tenants.p(50) <= RATIO * alone.p(50) + SLACK_S, report
     assert tenants.p(90) <= RATIO * alone.p(90) + 2 * SLACK_S, report
-    # p50 and p90, not p99: of 30 samples p99 is the slowest one, which one busy moment of a shared 2-core VM decides
     assert priority.p(50) <= RATIO * alone.p(50) + SLACK_S, report
     assert priority.p(90) <= RATIO * alone.p(90) + 2 * SLACK_S, report
     assert fifo.p(50) >= 2 * priority.p(50), f"first come first served should make interactive wait: {report}"
