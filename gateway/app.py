@@ -79,7 +79,8 @@ class Gateway:
             model_policies={name: make_policy(m.policy, rng) for name, m in models.items() if m.policy},
             model_queues={name: replace(m.queue, max_size=math.ceil(m.queue.max_size / config.workers))
                           for name, m in models.items() if m.queue is not None},
-            order=PriorityOrder(config.tenants.fair, config.queue.headroom) if ordered else None)
+            order=PriorityOrder(config.tenants.fair, config.queue.headroom, config.queue.headroom_idle_s)
+            if ordered else None)
         self._classifier = (Classifier(config.priority, config.tenants)
                             if config.priority.enabled or config.tenants.enabled else None)
         rates = TokenRates(config.tenants, config.workers)

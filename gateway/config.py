@@ -19,7 +19,8 @@ YAML (every key optional; flags given on the command line win over the file):
     retry: {max_attempts: 3, max_time_s: 10}
     queue: {max_size: 0, max_wait_s: 30}  # max_size 0: no admission queue (429 when every replica is at its cap)
                                           # headroom: 0 (with priority/fairness: slots per replica kept free for
-                                          # tenants and bands within their share, docs/priority.md)
+                                          # tenants and bands within their share, docs/priority.md);
+                                          # headroom_idle_s: 10 (lent to a flood while no other kind asked)
     max_body_bytes: 4194304
     workers: 1                            # worker processes on the one port; auto: one per CPU available
     feedback: {enabled: false, interval_s: 0.5, timeout_s: 1}  # blend in each replica's own load (vLLM /metrics)
@@ -207,6 +208,7 @@ class QueueConfig:
     max_size: int = 0
     max_wait_s: float = 30.0
     headroom: int = 0  # with priority or fairness on: slots per replica kept for kinds with nothing queued
+    headroom_idle_s: float = 10.0  # ... and lent to a flood when no other kind asked for a slot this long
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_size, int) or isinstance(self.max_size, bool) or self.max_size < 0:
@@ -214,6 +216,7 @@ class QueueConfig:
         if not isinstance(self.headroom, int) or isinstance(self.headroom, bool) or self.headroom < 0:
             raise ConfigError(f"queue.headroom must be an integer >= 0, got {self.headroom!r}")
         _positive("queue.max_wait_s", self.max_wait_s)
+        _positive("queue.headroom_idle_s", self.headroom_idle_s)
 
 
 @dataclass(frozen=True)

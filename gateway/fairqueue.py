@@ -19,17 +19,25 @@ tenant or band sending past its share always has requests queued, so it fills re
 `max_requests - headroom`; a request of anyone within their share
 then finds a free batch slot at once instead of waiting for one to free (its time to first token stays what it is
 with the pool to itself). It costs `headroom / max_requests` of the batch while a flood lasts: near the throughput
-plateau the planner's batch cap sits on, little throughput.
+plateau the planner's batch cap sits on, little throughput. It is lent while nobody else uses it: when no other
+kind has asked for a slot for `queue.headroom_idle_s` (default 10 s), a flood alone fills the replicas; the first
+request of another kind then waits for one slot to free, and from then on the headroom is kept again.
 
 Counters are kept for the `MAX_TENANTS` most recently seen tenants; a forgotten one starts again at the lift.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Protocol
 
 from .parsing import RequestInfo
+
+
+def _loop_time() -> float:
+    return asyncio.get_running_loop().time()  # the loop's clock: virtual in the simulator's runs
 
 
 class QueueOrder(Protocol):
@@ -51,9 +59,15 @@ class PriorityOrder:
 
     MAX_TENANTS = 65536
 
-    def __init__(self, fair: bool, headroom: int = 0) -> None:
+    def __init__(self, fair: bool, headroom: int = 0, idle_s: float = 10.0,
+                 clock: Callable[[], float] | None = None) -> None:
         self.fair = fair
         self.headroom = headroom
+        self.idle_s = idle_s  # the headroom is lent to a flood when no other kind asked for this long
+        self._clock = clock or _loop_time
+        # the last two kinds to ask for a slot (or leave the queue), and when: whether another kind asked lately
+        self._newest: tuple[tuple[str, int] | None, float] = (None, 0.0)
+        self._second: tuple[tuple[str, int] | None, float] = (None, 0.0)
         self.counters: OrderedDict[str, float] = OrderedDict()
         self._waiting: dict[str, int] = {}  # tenants with requests queued, and how many
         self._kinds: dict[tuple[str, int], int] = {}  # the same by (tenant, priority), for the headroom
@@ -82,11 +96,22 @@ class PriorityOrder:
         """Slots of each replica `info` must leave free: the headroom if others of its kind are queued too, unless
         a less urgent kind is queued (then the headroom is kept from that one: its requests come after), or, with
         fairness, another tenant of its band has more queued (a light tenant's burst queued beside a flood is not
-        held back as the flood is; the virtual token counters cannot tell them apart, the lift evens them)."""
-        priority = info.priority or 0
-        if not (self.headroom and self._kinds.get((info.tenant, priority), 0) > 1
-                and priority >= max(self._priorities)):
+        held back as the flood is; the virtual token counters cannot tell them apart, the lift evens them), or no
+        other kind is queued or asked for a slot within `idle_s` (the headroom is lent: nobody else is using it).
+        A call for a kind with nothing queued counts as that kind asking."""
+        if not self.headroom:
             return 0
+        priority = info.priority or 0
+        kind = (info.tenant, priority)
+        queued = self._kinds.get(kind, 0)
+        if not queued:
+            self._asked(kind)  # (a queued kind is known to be there: the wake loop asks for each waiter)
+        if not (queued > 1 and priority >= max(self._priorities)):
+            return 0
+        if len(self._kinds) == 1:  # nobody else is queued: has anybody else asked lately?
+            other = self._second if self._newest[0] == kind else self._newest
+            if other[0] is None or self._clock() - other[1] > self.idle_s:
+                return 0  # no: the headroom is lent
         if self.fair and len(self._waiting) > 1:
             tenant = info.tenant
             mine = self._kinds[(tenant, priority)]
@@ -94,11 +119,19 @@ class PriorityOrder:
                 return 0  # another tenant of its band has more queued: that one is the flood
         return self.headroom
 
+    def _asked(self, kind: tuple[str, int]) -> None:
+        """`kind` asked for a slot (or left the queue) now."""
+        if kind != self._newest[0]:
+            self._second = self._newest
+        self._newest = (kind, self._clock())
+
     def leave(self, info: RequestInfo) -> None:
         """`info` leaves the queue: served, refused or gone."""
         tenant = info.tenant
         priority = info.priority or 0
         kind = (tenant, priority)
+        if self.headroom:
+            self._asked(kind)
         count = self._kinds.get(kind, 0) - 1
         if count > 0:
             self._kinds[kind] = count

@@ -130,6 +130,7 @@ async def test_headroom_keeps_a_slot_for_a_tenant_with_nothing_queued() -> None:
     """A tenant with several queued leaves `headroom` slots free; another tenant's request takes one at once."""
     r = router(PriorityOrder(fair=True, headroom=1), max_requests=4)
     replica = next(iter(r.replicas.values()))
+    r.try_acquire(info("light")).release()  # type: ignore[union-attr]  # light asked lately: the headroom is its
     heavy = [asyncio.create_task(r.acquire(info("heavy"))) for _ in range(6)]
     await settle()
     assert replica.inflight == 4 and r.queue_depth == 2
@@ -146,6 +147,36 @@ async def test_headroom_keeps_a_slot_for_a_tenant_with_nothing_queued() -> None:
     assert all(t.done() for t in heavy) and replica.inflight == 2  # the last heavy one may take the headroom
     for task in heavy[4:]:
         task.result().release()
+
+
+async def test_headroom_is_lent_to_a_flood_alone_and_kept_again_once_another_tenant_asks() -> None:
+    """Nobody else asked for `idle_s`: a flood fills every slot. A light request then waits for one slot to free;
+    from then on the headroom is kept, until the light tenant has been silent for `idle_s` again."""
+    now = [0.0]
+    r = router(PriorityOrder(fair=True, headroom=2, idle_s=10.0, clock=lambda: now[0]), max_requests=4)
+    replica = next(iter(r.replicas.values()))
+    heavy = [asyncio.create_task(r.acquire(info("heavy"))) for _ in range(8)]
+    await settle()
+    assert replica.inflight == 4 and r.queue_depth == 4  # all four slots: the headroom is lent
+    now[0] = 1.0
+    light = asyncio.create_task(r.acquire(info("light")))
+    await settle()
+    assert not light.done()  # lent slots are busy: it waits for one to free
+    heavy[0].result().release()
+    await settle()
+    assert light.done() and replica.inflight == 4
+    light.result().release()
+    heavy[1].result().release()
+    await settle()
+    assert replica.inflight == 2 and r.queue_depth == 4  # kept again: light asked 0 s ago, heavy has 4 queued
+    now[0] = 11.5  # light silent for more than idle_s: the next wake lends it again
+    heavy[2].result().release()
+    await settle()
+    assert replica.inflight == 4 and r.queue_depth == 1
+    for task in heavy[3:7]:
+        task.result().release()
+    await settle()
+    heavy[7].result().release()
 
 
 async def test_headroom_is_not_kept_from_the_least_served_tenant() -> None:
@@ -324,7 +355,8 @@ def test_config_defaults_off_and_round_trips() -> None:
     ({"priority": {"default": "high"}}, "priority.default"), ({"priority": {"bands": {"10": 1}}}, "not a name"),
     ({"priority": {"header": "bad header"}}, "priority.header"), ({"tenants": {"tokens_per_s": 0}}, "tokens_per_s"),
     ({"tenants": {"keys": {"sk-x": {"colour": 1}}}}, "unknown key"), ({"tenants": {"fair": "yes"}}, "tenants.fair"),
-    ({"api_keys": ["sk-a"], "tenants": {"keys": {"sk-x": {"name": "x"}}}}, "api_keys does not list")])
+    ({"api_keys": ["sk-a"], "tenants": {"keys": {"sk-x": {"name": "x"}}}}, "api_keys does not list"),
+    ({"queue": {"headroom": 2, "headroom_idle_s": 0}}, "queue.headroom_idle_s")])
 def test_bad_config_is_refused_by_name(data: dict[str, Any], words: str) -> None:
     """Bad values are refused at start, naming them (never the API key)."""
     with pytest.raises(ConfigError, match=words) as exc:
