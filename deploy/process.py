@@ -141,6 +141,8 @@ def lower_priority(pid: int, nice: int) -> None:
         pass  # no autogroup in this kernel (or not Linux): the nice value alone orders it
     except ProcessLookupError:
         pass  # it exited at once: wait_ready reports that, with its log
+    except OSError as exc:  # a read-only /proc in some containers: it runs, at normal priority
+        logger.warning("could not lower the CPU priority of pid %d to nice %d: %s", pid, nice, exc)
 
 
 class ManagedProcess:

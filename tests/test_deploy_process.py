@@ -161,3 +161,18 @@ def test_a_process_with_nice_runs_below_normal_priority_as_do_its_children_and_i
     assert os.nice(0) == ours
     with pytest.raises(ValueError, match="0-19"):
         ManagedProcess("p", ["true"], tmp_path / "q.log", "http://127.0.0.1:9/health", nice=20)
+
+
+def test_a_priority_that_cannot_be_lowered_is_a_warning_not_a_failure(monkeypatch: pytest.MonkeyPatch,
+                                                                       caplog: pytest.LogCaptureFixture) -> None:
+    """A read-only /proc (some containers): the process runs at normal priority, and the log says so."""
+    from deploy import process
+
+    def refuse(self: Path, text: str) -> int:
+        raise PermissionError(13, "Read-only file system")
+
+    monkeypatch.setattr(process.Path, "write_text", refuse)
+    monkeypatch.setattr(process.os, "setpriority", lambda which, who, prio: None)
+    with caplog.at_level("WARNING", logger="deploy.process"):
+        process.lower_priority(os.getpid(), 10)
+    assert "could not lower the CPU priority" in caplog.text
