@@ -96,7 +96,7 @@ async def chats_hit_rate(policy: str, seed: int) -> tuple[float, list[list[str]]
 
     The same every run: the replicas' steps, the gateways and the clients share one virtual clock (`sim.vloop`),
     and the replicas listen on fixed ports (a key's replica order hashes their URLs). Each seed is another start
-    schedule and another set of ports, so other chats share a home. Before, on OS-given ports and real time, 3 of 8
+    schedule and another set of ports, so other chats share a home. Before, on OS-given ports and real time, 3 of 14
     runs on a quiet machine fell below the goal: the ports and timing drawn, not a change in the code."""
     import asyncio
     import contextlib
