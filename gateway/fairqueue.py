@@ -114,8 +114,7 @@ class PriorityOrder:
                 return 0  # no: the headroom is lent
         if self.fair and len(self._waiting) > 1:
             tenant = info.tenant
-            mine = self._kinds[(tenant, priority)]
-            if any(n > mine for (t, p), n in self._kinds.items() if p == priority and t != tenant):
+            if any(n > queued for (t, p), n in self._kinds.items() if p == priority and t != tenant):
                 return 0  # another tenant of its band has more queued: that one is the flood
         return self.headroom
 

@@ -128,7 +128,7 @@ async def chats_hit_rate(policy: str, seed: int) -> tuple[float, list[list[str]]
             except OSError:  # taken: any port (the replicas' ranks, and so the result, then differ)
                 site = web.TCPSite(runner, "127.0.0.1", 0)
                 await site.start()
-            urls.append(f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}")  # type: ignore[union-attr]
+            urls.append(f"http://127.0.0.1:{runner.addresses[0][1]}")
 
         async def client() -> openai.AsyncOpenAI:
             """A client of a fresh gateway, its first call made (the SDK asks the platform in a thread once: a

@@ -179,51 +179,37 @@ async def test_headroom_is_lent_to_a_flood_alone_and_kept_again_once_another_ten
     heavy[7].result().release()
 
 
-async def test_headroom_is_not_kept_from_the_least_served_tenant() -> None:
-    """A light tenant's burst queued behind a flood may use the headroom (it is within its share); the flood may not."""
-    order = PriorityOrder(fair=True, headroom=2)
+async def favoured_take_the_headroom(order: PriorityOrder, flood: RequestInfo, favoured: RequestInfo) -> None:
+    """With all 4 slots held, 3 `flood` and 2 `favoured` requests queued: the flood must leave the headroom (2), the
+    favoured may not; of the first two slots freed, both go to the favoured, none to the flood."""
     r = router(order, max_requests=4)
-    replica = next(iter(r.replicas.values()))
-    held = [r.try_acquire(info("heavy")) for _ in range(4)]
-    heavy = [asyncio.create_task(r.acquire(info("heavy"))) for _ in range(3)]
-    light = [asyncio.create_task(r.acquire(info("light"))) for _ in range(2)]
+    held = [r.try_acquire(info()) for _ in range(4)]
+    flooding = [asyncio.create_task(r.acquire(flood)) for _ in range(3)]
+    favoured_ = [asyncio.create_task(r.acquire(favoured)) for _ in range(2)]
     await settle()
-    assert order.reserve(info("light")) == 0 and order.reserve(info("heavy")) == 2
+    assert order.reserve(favoured) == 0 and order.reserve(flood) == 2
     for lease in held[:2]:
         lease.release()  # type: ignore[union-attr]
     await settle()
-    assert all(t.done() for t in light) and not any(t.done() for t in heavy)  # two of four in flight: the headroom
+    assert all(t.done() for t in favoured_) and not any(t.done() for t in flooding)  # two of four: the headroom
     for lease in held[2:]:
         lease.release()  # type: ignore[union-attr]
-    for task in light:
+    for task in favoured_:
         task.result().release()
     await settle()
-    for task in heavy:
+    for task in flooding:
         task.result().release()
+    assert r.queue_depth == 0
+
+
+async def test_headroom_is_not_kept_from_the_least_served_tenant() -> None:
+    """A light tenant's burst queued behind a flood may use the headroom (it is within its share); the flood may not."""
+    await favoured_take_the_headroom(PriorityOrder(fair=True, headroom=2), info("heavy"), info("light"))
 
 
 async def test_headroom_goes_to_the_more_urgent_band() -> None:
     """A band with several queued may use the headroom while a less urgent band is queued behind it."""
-    order = PriorityOrder(fair=False, headroom=2)
-    r = router(order, max_requests=4)
-    replica = next(iter(r.replicas.values()))
-    held = [r.try_acquire(info()) for _ in range(4)]
-    batch = [asyncio.create_task(r.acquire(info("b", 10))) for _ in range(3)]
-    urgent = [asyncio.create_task(r.acquire(info("i", 0))) for _ in range(2)]
-    await settle()
-    assert order.reserve(info("i", 0)) == 0 and order.reserve(info("b", 10)) == 2
-    for lease in held[:2]:
-        lease.release()  # type: ignore[union-attr]
-    await settle()
-    assert all(t.done() for t in urgent) and not any(t.done() for t in batch)
-    for lease in held[2:]:
-        lease.release()  # type: ignore[union-attr]
-    for task in urgent:
-        task.result().release()
-    await settle()
-    for task in batch:
-        task.result().release()
-    assert r.queue_depth == 0
+    await favoured_take_the_headroom(PriorityOrder(fair=False, headroom=2), info("b", 10), info("i", 0))
 
 
 async def test_abandoned_waiters_leave_the_tenant_books_clean() -> None:
