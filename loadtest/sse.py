@@ -1,8 +1,11 @@
 """Metering an OpenAI streaming response: SSE lines in, TTFT / ITL / token counts out. Pure, no I/O.
 
-A token chunk is a `data:` event whose text (completions) or delta content (chat) is not empty, as in
-`vllm bench serve`; output tokens are the server's `usage.completion_tokens` when the stream carries
-usage, else the number of token chunks.
+A token chunk is a `data:` event carrying choice 0's text (completions) or delta content (chat), even
+empty text: a token that decodes to nothing (a special token, a random-weight model's usual output, part of
+a UTF-8 character) still left the engine at that moment, and `vllm bench serve` counts it too. Not tokens:
+a chat delta that only announces the role, and an empty chunk that only carries the finish reason. Output
+tokens are the server's `usage.completion_tokens` when the stream carries usage, else the number of token
+chunks.
 """
 
 from __future__ import annotations
@@ -64,7 +67,7 @@ class StreamMeter:
         if isinstance(event.get("usage"), dict):
             self._usage = event["usage"]
         token = _token_text(event)
-        if token:
+        if token is not None:
             self._text.append(token)
             self._token(now)
 
@@ -92,17 +95,24 @@ class StreamMeter:
         )
 
 
-def _token_text(event: dict[str, Any]) -> str:
+def _token_text(event: dict[str, Any]) -> str | None:
+    """Choice 0's new text when the event carries a token (possibly ""), else None."""
     choices = event.get("choices")
     if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
-        return ""
+        return None
     choice = choices[0]
     if "text" in choice:
-        return str(choice.get("text") or "")
-    delta = choice.get("delta")
-    if not isinstance(delta, dict):
-        return ""
-    return str(delta.get("content") or delta.get("reasoning_content") or "")
+        text = str(choice.get("text") or "")
+    else:
+        delta = choice.get("delta")
+        if not isinstance(delta, dict):
+            return None
+        text = str(delta.get("content") or delta.get("reasoning_content") or "")
+        if not text and (not isinstance(delta.get("content"), str) or "role" in delta):
+            return None  # a role announcement, or a delta with no content at all
+    if not text and choice.get("finish_reason") is not None:
+        return None  # only the finish reason
+    return text
 
 
 def _message(error: object) -> str:

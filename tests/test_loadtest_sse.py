@@ -24,7 +24,7 @@ def _delta(content: str) -> bytes:
 def test_completion_stream_gives_ttft_gaps_and_usage_tokens() -> None:
     """TTFT is first text chunk minus send; ITL the gaps between text chunks; tokens from usage."""
     meter = StreamMeter(sent_s=10.0)
-    for line, at in [(_text(""), 10.1), (b"\n", 10.1), (_text(" a"), 10.5), (b"\n", 10.5), (_text(" b"), 10.7),
+    for line, at in [(b"\n", 10.1), (_text(" a"), 10.5), (b"\n", 10.5), (_text(" b"), 10.7),
                      (_text(" c"), 11.0), (_data({"choices": [], "usage": {"prompt_tokens": 5,
                                                                             "completion_tokens": 4}}), 11.0),
                      (b": keep-alive\n", 11.0), (b"data: [DONE]\n", 11.1)]:
@@ -46,6 +46,36 @@ def test_chat_stream_without_usage_counts_chunks() -> None:
     assert result.ttft_s == pytest.approx(0.2)
     assert result.itl_s == pytest.approx((0.1, 0.15))
     assert (result.output_tokens, result.prompt_tokens) == (3, None)
+
+
+def test_tokens_that_decode_to_nothing_still_time_the_stream() -> None:
+    """A random-weight model's special tokens stream as empty text: each is still a token (as vLLM's own
+    benchmark counts them), where the first GPU run measured no TTFT at all; a finish-only chunk is not."""
+    meter = StreamMeter(sent_s=0.0)
+    for at in (0.3, 0.32, 0.35):
+        meter.feed(_text(""), at)
+    meter.feed(_data({"choices": [{"index": 0, "text": "", "finish_reason": "length"}]}), 0.36)
+    meter.feed(_data({"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 3}}), 0.36)
+    meter.feed(b"data: [DONE]\n", 0.37)
+    result = meter.finish()
+    assert result.ttft_s == pytest.approx(0.3)
+    assert result.itl_s == pytest.approx((0.02, 0.03))
+    assert (result.output_tokens, result.text) == (3, "")
+
+
+def test_chat_role_and_finish_chunks_are_not_tokens_but_empty_content_is() -> None:
+    """Chat: the role announcement (content "") and the closing empty delta are not tokens; an empty
+    content delta is; without usage the count is the token chunks'."""
+    meter = StreamMeter(sent_s=0.0)
+    meter.feed(_data({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}), 0.1)
+    meter.feed(_delta(""), 0.2)
+    meter.feed(_delta("hi"), 0.25)
+    meter.feed(_data({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}), 0.3)
+    meter.feed(b"data: [DONE]\n", 0.3)
+    result = meter.finish()
+    assert result.ttft_s == pytest.approx(0.2)
+    assert result.itl_s == pytest.approx((0.05,))
+    assert (result.output_tokens, result.text) == (2, "hi")
 
 
 def test_stream_without_done_fails() -> None:
