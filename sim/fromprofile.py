@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from planner.errors import PlannerError
-from planner.points import Profile
+from planner.points import Profile, ProfilePoint
 from planner.sources import load_profile
 
 from .calibrate import nelder_mead
@@ -138,11 +138,22 @@ def check(profile: Profile, facts: EngineFacts) -> None:
                                "missing: " + "; ".join(missing))
 
 
+def step_of(point: ProfilePoint) -> float:
+    """One decode step at the point's batch size, in seconds: the median gap between streamed chunks, over
+    the tokens a chunk carries. vLLM's API server merges the tokens of several steps into one chunk when it
+    cannot stream them as fast as the engine makes them (an H200 at B >= 64: 2-4 tokens a chunk); the mean
+    gap over the mean time per output token counts them, since every request streams the same number of
+    tokens."""
+    itl, tpot = point.itl_ms, point.tpot_ms.mean
+    per_chunk = max(1.0, itl.mean / tpot) if itl.mean and tpot else 1.0
+    return (itl.p50 or 0.0) / per_chunk / 1e3
+
+
 def initial_model(profile: Profile, facts: EngineFacts) -> ReplicaModel:
-    """Step times from the median gaps; prefill cost and front-end latency from the smallest B's TTFT."""
+    """Step times from the median gaps (per token); prefill cost and front-end latency from the smallest B's TTFT."""
     pool = next(p.kv_pool for p in reversed(profile.points) if p.kv_pool)
     assert pool is not None and facts.max_num_seqs and facts.max_num_batched_tokens and facts.max_model_len
-    steps = tuple((p.batch_size, (p.itl_ms.p50 or 0) / 1e3) for p in profile.points)
+    steps = tuple((p.batch_size, step_of(p)) for p in profile.points)
     first = profile.points[0]
     prompt = profile.context.workload.input_tokens or 1
     rest = max((first.ttft_ms.p50 or 0) / 1e3 - steps[0][1], 1e-4)
@@ -154,7 +165,8 @@ def initial_model(profile: Profile, facts: EngineFacts) -> ReplicaModel:
         tokenizer=facts.tokenizer, kv_bytes_per_token=pool.bytes_per_token or 0.0,
         source={"profile": profile.context.source, "device": profile.context.device,
                 "workload": f"{prompt} prompt + {profile.context.workload.output_tokens} output tokens, closed loop",
-                "step_s": "median inter-token latency at each batch size",
+                "step_s": "median inter-token latency at each batch size, over the tokens a streamed chunk "
+                          "carries (mean ITL / mean TPOT)",
                 "prefill_s_per_token, frontend_s": "fitted: the sweep replayed in virtual time"})
 
 

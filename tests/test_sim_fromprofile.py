@@ -17,7 +17,7 @@ from planner.points import KvPool, Latency, ProfileContext, ProfilePoint, Worklo
 from planner.sources import write_point
 from sim.clock import LoopClock
 from sim.fleet import capacity, saturation_sample
-from sim.fromprofile import CalibrationError, EngineFacts, calibrate, replay
+from sim.fromprofile import CalibrationError, EngineFacts, calibrate, replay, step_of
 from sim.measured import ConfigError, MeasuredStepTime, ReplicaModel
 from sim.node import MeasuredSpec, Node
 from sim.server import make_app
@@ -48,6 +48,18 @@ def test_step_time_is_interpolated_between_measured_batch_sizes_and_extrapolated
     assert TRUE.step(64) == pytest.approx(0.0223 + (0.0223 - 0.0146) * 2)
     cost = MeasuredStepTime(TRUE)
     assert cost.host_s(4) == 0.0085 and cost.device_s(4 + 100, 4, 0, 0) == pytest.approx(100 * 80e-6)
+
+
+def test_a_step_is_the_chunk_gap_over_the_tokens_a_chunk_carries() -> None:
+    """The H200 profile's B = 256: chunks 16.4 ms apart (median), 18.7 ms on average, while each token took
+    4.72 ms: vLLM streamed about four tokens a chunk, so a step is 16.4 / 3.96 ms. One token a chunk (mean gap =
+    TPOT, as on vLLM-CPU) leaves the median gap as it is."""
+    def point(itl_p50: float, itl_mean: float, tpot: float) -> ProfilePoint:
+        return ProfilePoint(batch_size=256, total_tok_s=1.0, itl_ms=Latency(mean=itl_mean, p50=itl_p50),
+                            tpot_ms=Latency(mean=tpot))
+    assert step_of(point(16.397, 18.682, 4.721)) == pytest.approx(16.397 / (18.682 / 4.721) / 1e3)
+    assert step_of(point(8.38, 8.82, 8.82)) == pytest.approx(8.38e-3)
+    assert step_of(point(8.38, 8.7, 8.82)) == pytest.approx(8.38e-3)  # never more than one step a token
 
 
 def test_the_replica_model_round_trips_through_json_and_names_a_bad_field() -> None:
