@@ -69,6 +69,8 @@ class ProfilePoint:
     e2e_ms: Latency = field(default_factory=Latency)
     preemptions: int | None = None
     peak_kv_usage: float | None = None  # fraction of the KV pool, 0..1
+    mean_running: float | None = None  # the engine's running requests over the run's /metrics scrapes
+    metrics_missed: int | None = None  # /metrics scrapes that got no answer in time (a busy API server)
     kv_pool: KvPool | None = None
     gpu: GpuSummary | None = None
     num_requests: int | None = None

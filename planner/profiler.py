@@ -143,7 +143,9 @@ class Profiler:
         path = write_point(self.config.out, self.context, point)
         self.out(f"B={batch}: {point.total_tok_s:.0f} tok/s total, {point.req_s} req/s, p99 TPOT "
                  f"{point.tpot_ms.p99} ms, p99 TTFT {point.ttft_ms.p99} ms, peak KV "
-                 f"{_pct(point.peak_kv_usage)}, preemptions {point.preemptions} -> {path}")
+                 f"{_pct(point.peak_kv_usage)}, preemptions {point.preemptions}, running "
+                 f"{'n/a' if point.mean_running is None else f'{point.mean_running:.1f}'} on average "
+                 f"({point.metrics_missed} /metrics scrapes unanswered) -> {path}")
 
     async def measure(self, url: str, batch: int) -> ProfilePoint:
         """One point against a replica at `url`: warm up, run, scrape, sample."""
@@ -183,6 +185,7 @@ class Profiler:
         return ProfilePoint(batch_size=batch, total_tok_s=s.total_tok_s, output_tok_s=s.output_tok_s, req_s=s.req_s,
                             ttft_ms=s.ttft_ms, tpot_ms=s.tpot_ms, itl_ms=s.itl_ms, e2e_ms=s.e2e_ms,
                             preemptions=watcher.preemptions, peak_kv_usage=watcher.peak_kv_usage,
+                            mean_running=watcher.mean_running, metrics_missed=watcher.missed,
                             kv_pool=watcher.kv_pool, gpu=gpu, num_requests=s.num_requests,
                             failed_requests=s.failed_requests, duration_s=s.duration_s)
 

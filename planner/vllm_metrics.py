@@ -81,6 +81,8 @@ class MetricsWatcher:
         self.after: MetricsSnapshot | None = None
         self.peak_kv_usage: float | None = None
         self.scrapes = 0
+        self.missed = 0  # scrapes that failed or timed out (a server too busy to answer /metrics)
+        self._running: list[float] = []
         self._task: asyncio.Task[None] | None = None
 
     async def _scrape(self) -> MetricsSnapshot | None:
@@ -88,6 +90,7 @@ class MetricsWatcher:
             snapshot = await scrape(self._session, self._url, timeout_s=max(1.0, self._interval * 4))
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
             logger.debug("scraping %s/metrics failed: %s", self._url, exc)
+            self.missed += 1
             return None
         self.scrapes += 1
         if snapshot.kv_usage is not None:
@@ -97,7 +100,14 @@ class MetricsWatcher:
     async def _loop(self) -> None:
         while True:
             await asyncio.sleep(self._interval)
-            await self._scrape()
+            snapshot = await self._scrape()
+            if snapshot is not None and snapshot.running is not None:
+                self._running.append(snapshot.running)
+
+    @property
+    def mean_running(self) -> float | None:
+        """The engine's running requests, averaged over the scrapes during the run (None: none answered)."""
+        return sum(self._running) / len(self._running) if self._running else None
 
     async def __aenter__(self) -> MetricsWatcher:
         self.before = await self._scrape()

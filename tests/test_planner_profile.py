@@ -54,6 +54,8 @@ async def test_point_holds_b_requests_in_flight_and_times_them(aiohttp_server: A
     assert point.output_tok_s is not None and point.total_tok_s > point.output_tok_s > 0
     assert point.preemptions == 0  # the fake exports vllm:num_preemptions_total
     assert point.peak_kv_usage is not None
+    assert point.mean_running is not None and 0 < point.mean_running <= 4  # the engine's batch, not the client's
+    assert point.metrics_missed == 0
     assert point.gpu is None  # no GPU: absent, not zero
 
 
