@@ -68,6 +68,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--rate-duration", type=float, dest="rate_duration_s", help="seconds per Poisson run (20)")
     p.add_argument("--point-s", type=float, help="seconds a closed-loop point may take (25)")
     p.add_argument("--no-mps", action="store_true", help="skip the MPS step")
+    p.add_argument("--no-direct", action="store_true",
+                   help="skip driving 1..N replicas straight (one client process each, no gateway)")
+    p.add_argument("--gateway-workers", type=int,
+                   help="gateway worker processes for every gateway (default: the plan's; 1 for the single instance)")
     p.add_argument("--port", type=int, help="the gateway's port; replicas on the next ones (default 18000)")
     p.add_argument("--vllm-args", help="extra vLLM arguments for every instance, one string")
     p.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"))
@@ -89,6 +93,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
                           output_tokens=args.output_tokens, min_replicas=args.min_replicas,
                           max_replicas=args.max_replicas, loads=args.loads, rate_duration_s=args.rate_duration_s,
                           point_s=args.point_s, port=args.port, mps=False if args.no_mps else None,
+                          direct=False if args.no_direct else None, gateway_workers=args.gateway_workers,
                           vllm_args=tuple(shlex.split(args.vllm_args)) if args.vllm_args else None)
 
 

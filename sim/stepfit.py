@@ -226,6 +226,25 @@ class StepTable:
         return np.bincount(self.row, weights=self.count * step, minlength=len(self.measured))
 
 
+def constants_for(gpu: str, fitted: dict[str, GpuConstants]) -> tuple[GpuConstants, str]:
+    """Constants for `gpu` and where they came from: its own fit, or for a GPU without data the H100 80 GB's
+    (the newest engine setup in the data) with the bandwidth scaled by the two datasheets'."""
+    if gpu in fitted:
+        return fitted[gpu], f"fitted on {gpu}"
+    base = "H100-80GB"
+    c = fitted[base]
+    ratio = gpu_spec(gpu).bandwidth_bps / gpu_spec(base).bandwidth_bps
+    return (GpuConstants(c.bandwidth_bps * ratio, c.flop_rate, c.host_step_s, c.host_per_seq_s),
+            f"{base}'s, bandwidth x {ratio:.2f} (no {gpu} data)")
+
+
+def decode_step_s(constants: GpuConstants, spec: ModelSpec, batch: float, context: float) -> float:
+    """One decode step of `batch` sequences at `context` tokens each, priced as the fit prices steps."""
+    m = Measurement("prediction", "", spec.name, f"B={batch}", 1.0,
+                    (Steps(1.0, batch, batch, batch * context, batch * context, batch),), spec)
+    return float(predict(constants, [m])[0])
+
+
 def predict(constants: GpuConstants, measurements: Sequence[Measurement]) -> np.ndarray:
     return StepTable.of(measurements).predict(constants)
 

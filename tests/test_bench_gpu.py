@@ -5,12 +5,12 @@ papers', the simulator's prediction, the figures."""
 from __future__ import annotations
 
 import json
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import pytest
 
-from bench.gpu.report import sim_gpu, sim_prediction, write
+from bench.gpu.report import engine_batch, sim_gpu, sim_prediction, write
 from bench.gpu.settings import Settings, budget, gpu_preset, quick_preset
 from bench.gpu.steps import Context, decide, routing_name
 from bench.gpu.store import Store
@@ -46,6 +46,8 @@ def test_the_gpu_budget_fits_the_window_and_dry_run_says_so(capsys: pytest.Captu
     assert "of a 25-minute window (fits)" in printed and "| mps | 4 |" in printed
     assert '"frontier": 0' in printed and not list(tmp_path.iterdir())  # nothing measured, nothing written
     assert main(["--dry-run", "--out", str(tmp_path)]) == 2  # no --model and no --quick
+    with pytest.raises(ValueError, match="--gateway-workers must be >= 1"):
+        Settings(model="m", out=tmp_path, gateway_workers=0)
 
 
 def summary(tok_s: float) -> RunSummary:
@@ -82,6 +84,8 @@ def stored(tmp_path: Path) -> tuple[Settings, Store]:
     for step, toks in (("replicas", (11000.0, 11300.0)), ("mps", (11000.0, 14000.0))):
         for k, tok in enumerate(toks, start=1):
             store.put(step, f"k{k}", {**CountResult(k, 256 * k, summary(tok)).to_dict(), "gpu": gpu(95, 50 + 10 * k)})
+    for k, tok in ((1, 14000.0), (2, 19600.0)):
+        store.put("replicas", f"direct-k{k}", {"replicas": k, "batch_size": 256, "total_tok_s": tok})
     for policy, n in (("single", 1), ("least_outstanding_tokens", 2), ("round_robin", 2)):
         for x in s.loads:
             store.put("routing", routing_name(policy, x), {
@@ -114,6 +118,8 @@ def test_report_sets_the_measurements_beside_the_papers_and_the_simulator(stored
     text = write(s, store).read_text()
     assert "| 256 | 11,000 | 25.6 |" in text and "10,810 | 29.9 |" in text  # ours beside the paper's B=256
     assert "14,669 (+35%)" in text and "| 2 | 11,300 | +3% |" in text and "14,000 | +27% |" in text
+    assert "| 19,600 | +40% |" in text  # two replicas driven straight, beside the gateway's figure
+    assert "## The step-time model against this GPU" in text and "Constants: fitted on H100-80GB" in text
     assert "replication does not pay here" in text
     assert "| least_outstanding_tokens | 2 | 1.2 | 33.60 | 10,800 |" in text
     assert "- gpu: NVIDIA H100 80GB HBM3" in text and "| frontier | 1 |" in text
@@ -121,6 +127,17 @@ def test_report_sets_the_measurements_beside_the_papers_and_the_simulator(stored
     assert set(results["counts"]["sim"]) == {"1", "2"} and results["counts"]["sim"]["1"] > 0
     for figure in ("fig1_frontier.png", "fig5_replicas.png", "fig4_routing.png", "fig6_gpu.png"):
         assert (s.out / figure).stat().st_size > 10_000
+
+
+def test_the_engine_batch_comes_from_metrics_else_littles_law_else_b() -> None:
+    """The H200 run's B = 256: 121.8 req/s, 1,579 ms from send to last token, 979 ms of it before the first:
+    about 73 sequences decoding at once, not 256."""
+    lat = Latency(mean=4.7)
+    point = ProfilePoint(batch_size=256, total_tok_s=46877.0, req_s=121.76, tpot_ms=lat,
+                         ttft_ms=Latency(mean=979.0), e2e_ms=Latency(mean=1579.0))
+    assert engine_batch(point) == (pytest.approx(121.76 * 0.6), "Little")
+    assert engine_batch(replace(point, mean_running=80.0)) == (80.0, "metrics")
+    assert engine_batch(ProfilePoint(batch_size=8, total_tok_s=1.0)) == (8.0, "B")
 
 
 def test_simulator_gpu_names_and_predictions() -> None:

