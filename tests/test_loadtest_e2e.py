@@ -172,8 +172,10 @@ def test_closed_loop_round_robin_reports_failures_with_their_reasons(tmp_path: P
 def test_multi_turn_chats_carry_their_history_and_stay_on_one_replica(gateway: str, slow_replicas: list[str],
                                                                       tmp_path: Path) -> None:
     """Conversations of three turns: each turn resends the shared system prompt, the earlier messages and the
-    replies as streamed; with the gateway's default policy a conversation's turns with history (the second and
-    third) land on one replica (its first turn is placed by load, on that replica unless it is busier)."""
+    replies as streamed; with the gateway's default policy a conversation's third turn lands where its second
+    did, unless one of the two went away from the conversation's home replica because that was busier (the
+    policy trades the cache for load by design: one run in six moved one under the slow fakes' load, so the
+    test checks the reason)."""
     _loadtest("run", "--host", gateway, "--model", "fake-model", "--endpoint", "chat", "--workload", "multiturn",
               "--turns", "3:3", "--system-len", "20", "--input-len", "30", "--output-len", "12", "--think-time", "0.2",
               "--arrival", "poisson", "--rate", "3", "--duration", "2", "--seed", "3", "--out", str(tmp_path))
@@ -184,7 +186,18 @@ def test_multi_turn_chats_carry_their_history_and_stay_on_one_replica(gateway: s
     assert summary["later_turns_on_same_replica"] >= 0.5  # the second-to-third turn always; first-to-second often
     records = [json.loads(line) for line in (tmp_path / "records.jsonl").read_text().splitlines()]
     replica = {(r["conversation"], r["turn"]): r["replica"] for r in records}
-    assert all(replica[(c, 1)] == replica[(c, 2)] for c in range(chats))
+
+    def in_flight(url: str, at: float) -> int:  # tokens outstanding there, as the policy weighs load
+        return sum(r["prompt_tokens"] + r["max_tokens"] for r in records
+                   if r["replica"] == url and r["sent_s"] < at < r["end_s"])
+
+    for c in range(chats):
+        second, third = replica[(c, 1)], replica[(c, 2)]
+        if third != second:  # one of the two was placed away from the conversation's home, for load
+            sent2, sent3 = (next(r["sent_s"] for r in records if (r["conversation"], r["turn"]) == (c, t))
+                            for t in (1, 2))
+            assert (in_flight(third, sent2) > in_flight(second, sent2)
+                    or in_flight(second, sent3) > in_flight(third, sent3)), f"chat {c} moved for no load"
     bodies = [b for url in slow_replicas for b in _stats(url)["bodies"]]
     last_turns = [b["messages"] for b in bodies if len(b.get("messages", ())) == 6]
     assert len(last_turns) == chats
