@@ -85,7 +85,10 @@ def stored(tmp_path: Path) -> tuple[Settings, Store]:
         for k, tok in enumerate(toks, start=1):
             store.put(step, f"k{k}", {**CountResult(k, 256 * k, summary(tok)).to_dict(), "gpu": gpu(95, 50 + 10 * k)})
     for k, tok in ((1, 14000.0), (2, 19600.0)):
-        store.put("replicas", f"direct-k{k}", {"replicas": k, "batch_size": 256, "total_tok_s": tok})
+        store.put("replicas", f"direct-k{k}", {"replicas": k, "batch_size": 256, "total_tok_s": tok,
+                                               "cpu_cores": {"api_servers": 0.97 * k, "engines": 0.8 * k}})
+    store.put("replicas", "k2", {**store.get("replicas", "k2"),  # type: ignore[dict-item]
+                                 "cpu_cores": {"gateway": 1.98, "api_servers": 1.2, "engines": 1.1}})
     for policy, n in (("single", 1), ("least_outstanding_tokens", 2), ("round_robin", 2)):
         for x in s.loads:
             store.put("routing", routing_name(policy, x), {
@@ -120,6 +123,7 @@ def test_report_sets_the_measurements_beside_the_papers_and_the_simulator(stored
     assert "14,669 (+35%)" in text and "| 2 | 11,300 | +3% |" in text and "14,000 | +27% |" in text
     assert "| 19,600 | +40% |" in text  # two replicas driven straight, beside the gateway's figure
     assert "## The step-time model against this GPU" in text and "Constants: fitted on H100-80GB" in text
+    assert "| 2 | 1.98 | 1.20 | 1.10 | 1.94 | 1.60 |" in text and "| 1 | - | - | - | 0.97 | 0.80 |" in text
     assert "replication does not pay here" in text
     assert "| least_outstanding_tokens | 2 | 1.2 | 33.60 | 10,800 |" in text
     assert "- gpu: NVIDIA H100 80GB HBM3" in text and "| frontier | 1 |" in text

@@ -45,10 +45,12 @@ def test_quick_run_end_to_end_and_resume(tmp_path: Path) -> None:
         count = json.loads((out / "points" / "replicas" / f"k{k}.json").read_text())
         assert count["replicas"] == k and count["concurrency"] == k * plan["b_star"]
         assert count["total_tok_s"] > 0 and count["failed_requests"] == 0
+        assert count["cpu_cores"]["gateway"] > 0 and count["cpu_cores"]["engines"] > 0
     for k in (1, 2):  # the same replicas driven straight, one client process each
         straight = json.loads((out / "points" / "replicas" / f"direct-k{k}.json").read_text())
         assert straight["replicas"] == k and len(straight["per_replica_tok_s"]) == k
         assert straight["total_tok_s"] > 0 and straight["failed"] == [0] * k
+        assert straight["cpu_cores"]["api_servers"] > 0 and straight["cpu_cores"]["engines"] > 0
     decision = json.loads((out / "points" / "replicas" / "decision.json").read_text())
     assert decision["decision"].startswith(f"keep {decision['best_replicas']} replica")
     assert "NVIDIA GPU" in json.loads((out / "points" / "mps" / "unavailable.json").read_text())["reason"]

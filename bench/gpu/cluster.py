@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from bench.gpu.cpu import CpuMeter
 from deploy.hardware import Hardware
 from deploy.launch import fit_to_hardware, launches, with_models
 from deploy.models import ResolvedModel, resolve
@@ -44,6 +45,14 @@ class Running:
     urls: list[str] = field(default_factory=list)
     mps: bool = False
     startup_s: list[float] = field(default_factory=list)
+    pids: list[int] = field(default_factory=list)  # each replica's API server; its engine core is a child
+
+
+def cpu_meter(replica_pids: list[int], gateway_pid: int | None = None) -> CpuMeter:
+    """Cores used by the gateway (its supervisor and workers), the replicas' API servers and engine cores."""
+    return CpuMeter({"gateway": [] if gateway_pid is None else [(gateway_pid, False), (gateway_pid, True)],
+                     "api_servers": [(pid, False) for pid in replica_pids],
+                     "engines": [(pid, True) for pid in replica_pids]})
 
 
 @contextlib.contextmanager
@@ -68,6 +77,8 @@ def replicas(plan: Plan, hardware: Hardware, run_dir: Path, *, mps: bool = False
                                 {**os.environ, **launch.env}, startup_timeout_s=startup_timeout_s)
             stack.enter_context(server)
             running.urls.append(server.url)
+            if server.pid is not None:
+                running.pids.append(server.pid)
             running.startup_s.append(round(time.monotonic() - started, 1))
             log(f"  {launch.spec.name} healthy after {running.startup_s[-1]:.0f} s")
         yield running
@@ -75,9 +86,10 @@ def replicas(plan: Plan, hardware: Hardware, run_dir: Path, *, mps: bool = False
 
 @contextlib.contextmanager
 def gateway(plan: Plan, hardware: Hardware, run_dir: Path, count: int, policy: str, port: int,
-            batch_cap: int | None = None, workers: int | None = None) -> Iterator[str]:
+            batch_cap: int | None = None, workers: int | None = None,
+            pids: list[int] | None = None) -> Iterator[str]:
     """The gateway over the plan's first `count` replicas with `policy` and `workers` processes (default: the
-    plan's); its URL once /ready answers."""
+    plan's); its URL once /ready answers (and its process id appended to `pids`, if given)."""
     chosen = plan.replicas[:count]
     if batch_cap is not None:
         chosen = tuple(replace(r, admission=Admission(max_requests=batch_cap)) for r in chosen)
@@ -88,6 +100,8 @@ def gateway(plan: Plan, hardware: Hardware, run_dir: Path, count: int, policy: s
                       host="127.0.0.1", log_level="warning")
     proc, url = gateway_process(config, dict(os.environ))
     with proc:
+        if pids is not None and proc.pid is not None:
+            pids.append(proc.pid)
         deadline = time.monotonic() + 30.0
         while not probe(f"{url}/ready", 1.0):
             if time.monotonic() > deadline:
@@ -108,15 +122,21 @@ class SampledDeployer:
     policy: str = "least_outstanding_tokens"
     sampler: GpuSampler | None = None
     workers: int | None = None
+    replica_pids: list[int] = field(default_factory=list)
+    last_cpu: dict[str, float] | None = None
     last_gpu: GpuSummary | None = None
 
     @contextlib.contextmanager
     def deploy(self, plan: Plan, label: str) -> Iterator[str]:
+        pids: list[int] = []
         with gateway(self.plan, self.hardware, self.run_dir / label, len(plan.replicas), self.policy,
-                     self.port, workers=self.workers) as url:
+                     self.port, workers=self.workers, pids=pids) as url:
+            meter = cpu_meter(self.replica_pids[:len(plan.replicas)], pids[0] if pids else None)
+            meter.start()
             if self.sampler is not None:
                 self.sampler.start()
             try:
                 yield url
             finally:
                 self.last_gpu = self.sampler.stop() if self.sampler is not None else None
+                self.last_cpu = meter.stop()

@@ -167,6 +167,25 @@ def counts_section(store: Store, sims: dict[int, float]) -> tuple[str, dict[str,
                   "mps_unavailable": (mps.get("unavailable") or {}).get("reason")}
 
 
+def cpu_section(store: Store) -> str | None:
+    """CPU cores each kind of process used during each count, through the gateway and straight (None: not
+    recorded, as in runs before it was)."""
+    plain = store.all("replicas")
+    rows = []
+    for k in sorted(int(n[1:]) for n in plain if re.fullmatch(r"k\d+", n)):
+        through = plain[f"k{k}"].get("cpu_cores") or {}
+        straight = (plain.get(f"direct-k{k}") or {}).get("cpu_cores") or {}
+        if not through and not straight:
+            continue
+        cells = [through.get("gateway"), through.get("api_servers"), through.get("engines"),
+                 straight.get("api_servers"), straight.get("engines")]
+        rows.append([k, *("-" if c is None else f"{c:.2f}" for c in cells)])
+    if not rows:
+        return None
+    return markdown_table(["replicas", "gateway", "API servers", "engine cores", "straight: API servers",
+                           "straight: engine cores"], rows)
+
+
 def routing_section(store: Store, settings: Settings) -> str:
     routing = store.all("routing")
     rows = []
@@ -352,6 +371,7 @@ def write(settings: Settings, store: Store) -> Path:
     frontier_table, frontier_facts = frontier_section(profile.points)
     counts_table, counts_facts = counts_section(store, sims)
     stepfit = stepfit_section(settings, profile.points, machine.get("gpu"))
+    cpu = cpu_section(store)
     lines = [f"# Replication on one device: {settings.model}", "",
              *(["**CPU run (vLLM-CPU, `--quick`): it checks the pipeline end to end; its numbers say nothing about "
                 "GPUs.**", ""] if settings.device == "cpu" else []),
@@ -373,6 +393,8 @@ def write(settings: Settings, store: Store) -> Path:
              counts_table, "",
              f"- without MPS: {counts_facts['decisions']['plain'] or '-'}",
              f"- with MPS: {counts_facts['decisions']['mps'] or counts_facts['mps_unavailable'] or '-'}", "",
+             *(["CPU cores used while each count ran (CPU seconds over wall seconds; a vLLM API server near 1.0 is "
+                "the replica's limit, as is a gateway near its worker count):", "", cpu, ""] if cpu else []),
              "## Figs. 4, 6, 7: routing under Poisson arrivals, GPU activity", "",
              "The single instance at its best batch cap (the gateway holds the rest) against all replicas with "
              "each routing policy, at the same offered rates (fractions of the single instance's capacity).", "",

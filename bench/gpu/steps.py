@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from bench.gpu.cluster import SampledDeployer, gateway, replicas, resolve_plan
+from bench.gpu.cluster import SampledDeployer, cpu_meter, gateway, replicas, resolve_plan
 from bench.gpu.settings import Settings
 from bench.gpu.store import Store
 from deploy.hardware import Hardware
@@ -278,7 +278,7 @@ def replica_counts(ctx: Context, mps: bool) -> None:
             ctx.log("mps: the MPS control daemon did not start; skipped")
             return
         deployer = SampledDeployer(resolved, ctx.hardware, ctx.out / "run" / step, s.port, sampler=ctx.sampler,
-                                   workers=s.gateway_workers)
+                                   workers=s.gateway_workers, replica_pids=running.pids)
         for k in counts:
             started = time.monotonic()
             n_requests = s.requests_for(k * b_star, (one.req_s or 0) * k or None)
@@ -289,10 +289,11 @@ def replica_counts(ctx: Context, mps: bool) -> None:
             result = validator.measure(k)
             ctx.store.put(step, f"k{k}", {**result.to_dict(), "mps": running.mps, "b_star": b_star,
                                           "gpu": asdict(deployer.last_gpu) if deployer.last_gpu else None,
+                                          "cpu_cores": deployer.last_cpu,
                                           "startup_s": running.startup_s,
                                           "elapsed_s": round(time.monotonic() - started, 1)})
         for k in direct:
-            direct_count(ctx, step, running.urls[:k], model, b_star, one.req_s)
+            direct_count(ctx, step, running.urls[:k], running.pids[:k], model, b_star, one.req_s)
         capacity = best.req_s or 0.0
         for policy, x in routes:
             with gateway(resolved, ctx.hardware, ctx.out / "run" / f"gw-{SHORT.get(policy, policy)}", n, policy,
@@ -303,8 +304,8 @@ def replica_counts(ctx: Context, mps: bool) -> None:
     decide(ctx, step)
 
 
-def direct_count(ctx: Context, step: str, urls: Sequence[str], model: ResolvedModel, b_star: int,
-                 req_s: float | None) -> None:
+def direct_count(ctx: Context, step: str, urls: Sequence[str], pids: list[int], model: ResolvedModel,
+                 b_star: int, req_s: float | None) -> None:
     """`len(urls)` replicas driven straight, each by its own `planner profile --url` process at B* (no gateway,
     no shared client): what the GPU gives apart from the gateway's cost, as the papers measured it. The pair's
     throughput is every replica's tokens over the longest run (a replica that finishes early counts as idle)."""
@@ -320,6 +321,8 @@ def direct_count(ctx: Context, step: str, urls: Sequence[str], model: ResolvedMo
     if tokenizer:
         argv += ["--tokenizer", tokenizer]
     started = time.monotonic()
+    meter = cpu_meter(pids)
+    meter.start()
     if ctx.sampler is not None:
         ctx.sampler.start()
     try:
@@ -339,6 +342,7 @@ def direct_count(ctx: Context, step: str, urls: Sequence[str], model: ResolvedMo
                     raise RuntimeError(f"the client of replica {i} exited with code {code}; see {run / f'r{i}'}")
     finally:
         gpu = ctx.sampler.stop() if ctx.sampler is not None else None
+        cpu = meter.stop()
     points = [read_point(point_path(run / f"r{i}", b_star))[1] for i in range(k)]
     longest = max(p.duration_s or 0.0 for p in points)
     total = sum(p.total_tok_s * (p.duration_s or 0.0) for p in points) / longest if longest else 0.0
@@ -346,7 +350,7 @@ def direct_count(ctx: Context, step: str, urls: Sequence[str], model: ResolvedMo
         "replicas": k, "batch_size": b_star, "requests_each": n_requests, "total_tok_s": round(total, 1),
         "per_replica_tok_s": [p.total_tok_s for p in points], "duration_s": [p.duration_s for p in points],
         "preemptions": [p.preemptions for p in points], "failed": [p.failed_requests for p in points],
-        "gpu": asdict(gpu) if gpu else None, "elapsed_s": round(time.monotonic() - started, 1)})
+        "gpu": asdict(gpu) if gpu else None, "cpu_cores": cpu, "elapsed_s": round(time.monotonic() - started, 1)})
     ctx.log(f"{k} replica(s) straight: {total:,.0f} tok/s together "
             f"({', '.join(f'{p.total_tok_s:,.0f}' for p in points)} each)")
 
