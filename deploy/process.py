@@ -281,7 +281,8 @@ def vllm_argv(spec: ReplicaSpec, host: str = "127.0.0.1", python: str = sys.exec
 def vllm_env(spec: ReplicaSpec, env: Mapping[str, str] | None = None, *, flashinfer: bool = True) -> dict[str, str]:
     """The environment for one replica: `env` (default: ours) plus the CPU KV cache size the spec names,
     runtime adapter loading when it serves LoRA, and, where its Python lacks `flashinfer` (the offline
-    wheelhouse leaves it out), vLLM's own top-k/top-p sampler: vLLM 0.26's GPU model runner imports flashinfer
+    wheelhouse leaves it out; `VllmServer` asks only for a GPU replica, one given a GPU memory share), vLLM's own
+    top-k/top-p sampler: vLLM 0.26's GPU model runner imports flashinfer
     when it builds its sampler unless VLLM_USE_FLASHINFER_SAMPLER=0, and fails to start without it (seen on
     the first GPU run). A value already in `env` is kept."""
     result = dict(os.environ if env is None else env)
@@ -295,7 +296,7 @@ def vllm_env(spec: ReplicaSpec, env: Mapping[str, str] | None = None, *, flashin
     return result
 
 
-def has_module(python: str, name: str, timeout_s: float = 30.0) -> bool:
+def has_module(python: str, name: str, timeout_s: float = 10.0) -> bool:
     """Whether `python` can import top-level module `name` (found, not imported: nothing of it runs)."""
     if python == sys.executable:
         return importlib.util.find_spec(name) is not None
@@ -320,7 +321,8 @@ class VllmServer(ManagedProcess):
         probe_host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
         self.spec = spec
         self.url = f"http://{probe_host}:{spec.port}"
-        env_for = vllm_env(spec, env, flashinfer=has_module(python, "flashinfer"))
+        gpu = spec.gpu_memory_utilization is not None or spec.kv_cache_memory_bytes is not None
+        env_for = vllm_env(spec, env, flashinfer=not gpu or has_module(python, "flashinfer"))
         super().__init__(spec.name, vllm_argv(spec, host, python), log_path, f"{self.url}/health",
                          env_for, startup_timeout_s=startup_timeout_s, stop_grace_s=stop_grace_s,
                          cpus=cpus, nice=nice)

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from deploy.plan import Admission, ReplicaSpec
-from deploy.process import (ManagedProcess, ProcessDied, StartupTimeout, group_alive, has_module, tail, vllm_argv,
-                            vllm_env)
+from deploy.process import (ManagedProcess, ProcessDied, StartupTimeout, VllmServer, group_alive, has_module, tail,
+                            vllm_argv, vllm_env)
 from tests.conftest import port_bound
 
 
@@ -127,6 +127,21 @@ def test_vllm_env_turns_the_flashinfer_sampler_off_only_where_flashinfer_is_miss
     assert vllm_env(spec, {"VLLM_USE_FLASHINFER_SAMPLER": "1"}, flashinfer=False) == {
         "VLLM_USE_FLASHINFER_SAMPLER": "1"}
     assert vllm_env(spec, {}) == {}
+
+
+def test_only_a_gpu_replica_asks_its_python_for_flashinfer(tmp_path: Path) -> None:
+    """A CPU replica's Python is not run at all (a stand-in that sleeps would hold `deploy up` up); a GPU one
+    (given a memory share) without flashinfer, as here, gets vLLM's own sampler."""
+    sleepy = tmp_path / "python"
+    sleepy.write_text("#!/bin/sh\nsleep 30\n")
+    sleepy.chmod(0o755)
+    started = time.monotonic()
+    cpu = VllmServer(ReplicaSpec(name="c", model="m", port=8001, cpu_kvcache_space_gib=1.0), tmp_path / "c.log", {},
+                     python=str(sleepy))
+    assert time.monotonic() - started < 1.0 and "VLLM_USE_FLASHINFER_SAMPLER" not in cpu.env
+    gpu = VllmServer(ReplicaSpec(name="g", model="m", port=8002, gpu_memory_utilization=0.4), tmp_path / "g.log", {})
+    expected = None if has_module(sys.executable, "flashinfer") else "0"
+    assert gpu.env.get("VLLM_USE_FLASHINFER_SAMPLER") == expected
 
 
 def test_has_module_asks_the_replicas_own_python(tmp_path: Path) -> None:
