@@ -333,8 +333,9 @@ def direct_count(ctx: Context, step: str, urls: Sequence[str], pids: list[int], 
                 shutil.rmtree(out, ignore_errors=True)
                 out.mkdir(parents=True)
                 log = stack.enter_context(open(out / "client.log", "w"))
-                procs.append(stack.enter_context(subprocess.Popen([*argv, "--url", url, "--out", str(out)],
-                                                                  stdout=log, stderr=subprocess.STDOUT)))
+                procs.append(subprocess.Popen([*argv, "--url", url, "--out", str(out)], stdout=log,
+                                              stderr=subprocess.STDOUT))
+                stack.callback(_end, procs[-1])  # on any way out (a failure, a timeout, Ctrl-C): none left running
             limit = s.request_timeout_s + 60.0
             for i, proc in enumerate(procs):
                 code = proc.wait(timeout=max(1.0, limit - (time.monotonic() - started)))
@@ -353,6 +354,13 @@ def direct_count(ctx: Context, step: str, urls: Sequence[str], pids: list[int], 
         "gpu": asdict(gpu) if gpu else None, "cpu_cores": cpu, "elapsed_s": round(time.monotonic() - started, 1)})
     ctx.log(f"{k} replica(s) straight: {total:,.0f} tok/s together "
             f"({', '.join(f'{p.total_tok_s:,.0f}' for p in points)} each)")
+
+
+def _end(proc: subprocess.Popen[bytes]) -> None:
+    """Kill a client process that is still running, and reap it."""
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait()
 
 
 def count_result(data: dict[str, Any]) -> CountResult:
