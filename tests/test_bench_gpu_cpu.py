@@ -6,7 +6,7 @@ import subprocess
 import sys
 import time
 
-from bench.gpu.cpu import CpuMeter, cpu_seconds
+from bench.gpu.cpu import CpuMeter, tree_cpu_seconds
 
 SPIN = "import time\nend = time.process_time() + {s}\nwhile time.process_time() < end: pass\ntime.sleep(30)"
 PARENT = ("import subprocess, sys, time\n"
@@ -28,4 +28,4 @@ def test_a_busy_child_counts_for_its_tree_and_not_for_its_idle_parent() -> None:
     finally:
         parent.kill()
         parent.wait()
-    assert cpu_seconds(parent.pid, False) == 0.0  # gone: no time, no error
+    assert tree_cpu_seconds(parent.pid, False) == 0.0  # gone: no time, no error

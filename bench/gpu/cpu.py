@@ -2,8 +2,7 @@
 
 A vLLM replica is an API server process (HTTP, tokenizing, streaming) with its engine core as a child; on a fast
 GPU the API server can be the limit (docs/bench/gpu/README.md), and a gateway in front of it another. `CpuMeter`
-reads each process tree's CPU time (psutil) when a measurement starts and ends: cores = CPU seconds / wall
-seconds. A child that exits in between takes its time with it; the processes measured here live throughout.
+reads each process tree's CPU time when a measurement starts and ends: cores = CPU seconds / wall seconds. A child that exits in between takes its time with it; the processes measured here live throughout.
 """
 
 from __future__ import annotations
@@ -13,22 +12,23 @@ from collections.abc import Mapping
 
 import psutil
 
+from bench.gateway_overhead import cpu_seconds
 
-def cpu_seconds(pid: int, children: bool) -> float:
-    """User + system CPU seconds of `pid` alone, or of its descendants alone (0 for a process that is gone)."""
+
+def tree_cpu_seconds(pid: int, children: bool) -> float:
+    """CPU seconds of `pid` alone, or of its descendants alone (0 for a process that is gone); each process read
+    by `bench.gateway_overhead.cpu_seconds`, every thread."""
     try:
-        root = psutil.Process(pid)
-        procs = root.children(recursive=True) if children else [root]
-        total = 0.0
-        for p in procs:
-            try:
-                t = p.cpu_times()
-            except psutil.NoSuchProcess:
-                continue
-            total += t.user + t.system
-        return total
+        procs = psutil.Process(pid).children(recursive=True) if children else [psutil.Process(pid)]
     except psutil.NoSuchProcess:
         return 0.0
+    total = 0.0
+    for p in procs:
+        try:
+            total += cpu_seconds(p.pid)
+        except FileNotFoundError:  # ended meanwhile
+            continue
+    return total
 
 
 class CpuMeter:
@@ -42,7 +42,7 @@ class CpuMeter:
         self._started_at = 0.0
 
     def _read(self) -> dict[str, float]:
-        return {name: sum(cpu_seconds(pid, children) for pid, children in members)
+        return {name: sum(tree_cpu_seconds(pid, children) for pid, children in members)
                 for name, members in self._groups.items()}
 
     def start(self) -> None:
