@@ -253,7 +253,7 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
         return _error(400, refused, "max_tokens")
     try:
         if parsed.stream:
-            return await _stream(request, state, parsed, choices, wake)
+            return await _stream(request, state, parsed, choices, wake, merge=frontend is not None)
         while not all(c.done for c in choices):
             await wake.wait()
             wake.clear()
@@ -334,7 +334,9 @@ def _chunk_choice(kind: str, index: int, text: str, finish: str | None) -> dict[
 
 
 async def _stream(request: web.Request, state: ReplicaState, parsed: Parsed, choices: list[_Choice],
-                  wake: asyncio.Event) -> web.StreamResponse:
+                  wake: asyncio.Event, merge: bool = False) -> web.StreamResponse:
+    """Stream the choices' tokens as they arrive; `merge`: the front end streams at a cost, and tokens that
+    arrive together go out as one chunk, as vLLM's API server sends them."""
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await response.prepare(request)
     cid = f"{'chatcmpl' if parsed.kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
@@ -346,7 +348,6 @@ async def _stream(request: web.Request, state: ReplicaState, parsed: Parsed, cho
                                          "logprobs": None, "finish_reason": None}]}
             await response.write(b"data: " + json.dumps(role).encode() + b"\n\n")
     written = [0] * len(choices)
-    merge = state.frontend is not None and state.frontend.stream_s > 0  # vLLM: a late chunk carries them all
     while True:
         out = []
         for c in choices:
