@@ -245,8 +245,9 @@ def replay_point(model: ReplicaModel, batch_size: int, requests: int, prompt: in
     tpots = [(last[r.rid] - first[r.rid]) / (output - 1) for r in done]
     gaps = [(last[r.rid] - first[r.rid]) / (chunks.get(r.rid, output) - 1) for r in done
             if chunks.get(r.rid, output) > 1]
-    per_chunk = statistics.fmean(gaps) / statistics.fmean(tpots) if gaps and statistics.fmean(tpots) > 0 else 1.0
-    return statistics.median(ttfts), statistics.fmean(tpots), max(1.0, per_chunk)
+    tpot = statistics.fmean(tpots)
+    per_chunk = statistics.fmean(gaps) / tpot if gaps and tpot > 0 else 1.0
+    return statistics.median(ttfts), tpot, max(1.0, per_chunk)
 
 
 def compare(model: ReplicaModel, profile: Profile) -> list[PointFit]:
