@@ -62,13 +62,15 @@ class Responder:
     async def send(self, data: bytes, last: bool = False) -> None:
         """One chunk of a streamed response; waits while the client reads slower than we write. `last`: the body
         ends with it, in the same write (a stream that arrived whole goes out in one write, head to end)."""
-        data = self._framed(data)
-        if last:
-            data += self._tail()
-            self._ended = True
-        if self._head:
-            data, self._head = self._head + data, b""
-        await self._conn.write(data)
+        if not self._request.http11:
+            wire = self._head + data
+        elif data:  # head, chunk and end joined: one copy of the data, not one per step
+            wire = b"".join((self._head, b"%x\r\n" % len(data), data, b"\r\n0\r\n\r\n" if last else b"\r\n"))
+        else:  # an empty chunk would end the body
+            wire = self._head + self._tail() if last else self._head
+        self._head = b""
+        self._ended = self._ended or last
+        await self._conn.write(wire)
 
     def _tail(self) -> bytes:
         return b"0\r\n\r\n" if self._request.http11 else b""

@@ -104,11 +104,11 @@ class Proxy:
                 watch = self._watchdogs.watch(self._config.timeouts.first_byte_s)
                 upstream: UpstreamResponse | None = None
                 try:
-                    upstream, first = await self._send(request, lease, info, request_id, watch,
-                                                       trace.attempt(lease, attempt))
+                    upstream, first, streams = await self._send(request, lease, info, request_id, watch,
+                                                                trace.attempt(lease, attempt))
                     status = upstream.status
                     trace.first_byte()
-                    return await self._relay(responder, upstream, first, lease, info, started, watch)
+                    return await self._relay(responder, upstream, first, streams, lease, info, started, watch)
                 except _Retryable as exc:
                     trace.attempt_failed(exc.reason, exc.status)
                     tried = tried | {lease.replica.url}
@@ -142,8 +142,9 @@ class Proxy:
         return origin
 
     async def _send(self, request: Request, lease: Lease, info: RequestInfo, request_id: str,
-                    watch: _Watch, trace_headers: bytes) -> tuple[UpstreamResponse, bytes]:
-        """The replica's answer and its first chunk (or whole body), within the first-byte timeout."""
+                    watch: _Watch, trace_headers: bytes) -> tuple[UpstreamResponse, bytes, bool]:
+        """The replica's answer, its first chunk (or whole body) within the first-byte timeout, and whether it is
+        relayed as a stream."""
         replica = lease.replica
         origin = self._origin(replica.url)
         head = b"%b %b HTTP/1.1\r\nHost: %b\r\nContent-Length: %d\r\nX-Request-Id: %b\r\n%b%b\r\n" % (
@@ -154,7 +155,8 @@ class Proxy:
             response = await self._pool.request(origin, head, request.body)
             if response.status in _RETRY_STATUSES:
                 raise _Retryable(f"status_{response.status}", 502, f"replica {replica.url} answered {response.status}")
-            if _streams(response, info):
+            streams = _streams(response, info)
+            if streams:
                 first = await response.readany()
             else:
                 first = await response.read()
@@ -177,17 +179,17 @@ class Proxy:
             raise retryable from None
         if response.status >= 500:
             eject(replica, f"answered {response.status}")
-        return response, first
+        return response, first, streams
 
-    async def _relay(self, responder: Responder, upstream: UpstreamResponse, first: bytes, lease: Lease,
-                     info: RequestInfo, started: float, watch: _Watch) -> Response | None:
+    async def _relay(self, responder: Responder, upstream: UpstreamResponse, first: bytes, streams: bool,
+                     lease: Lease, info: RequestInfo, started: float, watch: _Watch) -> Response | None:
         status = upstream.status
         content_type = upstream.headers.get("content-type", "application/json")
         headers = {"x-gateway-replica": lease.replica.url}
         if self._worker is not None:
             headers["x-gateway-worker"] = self._worker
         response: Response | None = None
-        if _streams(upstream, info):
+        if streams:
             responder.start(status, headers, content_type)
             await self._stream(responder, upstream, first, lease, info, started, watch)
         else:
@@ -201,6 +203,13 @@ class Proxy:
         if data:
             self._metrics.first_token(lease.replica.url, info.model, loop.time() - started)
             lease.first_token()
+            if upstream.ended:  # the whole answer came with its head (tokens made back to back): one write
+                lease.all_tokens()
+                try:
+                    await responder.send(data, last=True)
+                except ConnectionError:
+                    logger.debug("client went away before a stream from %s", lease.replica.url)
+                return
         self._watchdogs.rearm(watch, self._config.timeouts.idle_s)
         failure = ""
         held = b""  # the start of an event still arriving: relayed once whole, so an error event never joins it

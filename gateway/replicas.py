@@ -43,7 +43,7 @@ class Replica:
         self.max_num_seqs = config.max_num_seqs  # vLLM's batch cap: configured, or read from its /metrics
         self.speed = config.speed or DEFAULT_SPEED
         self.own: list[int] | memoryview[int] = [0] * len(COLUMNS)  # this process's cells: the only ones it writes
-        self._columns: tuple[tuple[str, memoryview], ...] = ()
+        self._columns: tuple[memoryview, ...] = ()  # bound: the table's columns, in COLUMNS order
         self._table: LoadTable | None = None
         self._row = self._slot = 0
 
@@ -51,7 +51,7 @@ class Replica:
         """Keep the counters in `table`: this process writes row `row`, reads sum rows [0, hi)."""
         start = table.counter(row, slot)
         self.own = table.cells[start:start + len(COLUMNS)]
-        self._columns = tuple((name, table.column(slot, i, hi)) for i, name in enumerate(COLUMNS))
+        self._columns = tuple(table.column(slot, i, hi) for i in range(len(COLUMNS)))
         self._table, self._row, self._slot = table, row, slot
         self.refresh()
 
@@ -66,8 +66,11 @@ class Replica:
 
     def refresh(self) -> None:
         """Sum every worker's cells (and the load feedback's) into the attributes a policy compares."""
-        for name, column in self._columns:
-            setattr(self, name, sum(column))
+        columns = self._columns
+        if columns:  # spelled out, not a loop over COLUMNS with setattr: this runs for every candidate of a pick
+            self.outstanding = sum(columns[OUTSTANDING])
+            self.inflight = sum(columns[INFLIGHT])
+            self.prefill = sum(columns[PREFILL])
 
     def mark_ejected(self) -> None:
         """Tell the other workers that this one saw the replica fail (until its next good probe)."""

@@ -104,18 +104,19 @@ class Router:
 
     def try_acquire(self, info: RequestInfo, exclude: frozenset[str] = frozenset()) -> Lease | None:
         """A lease on a replica with room now, or None when every candidate is at its cap."""
-        candidates = self._candidates(info, exclude)
+        model = info.model
+        candidates = []  # _candidates(), refreshed as they are found: this runs for every request
+        for replica in self.replicas.values():
+            if replica.healthy and not replica.draining and (not model or model in replica.models) \
+                    and replica.url not in exclude:
+                replica.refresh()
+                candidates.append(replica)
         if not candidates:
             raise self._no_candidate(info, exclude)
         cost = info.prompt_tokens + info.max_tokens
-        for replica in candidates:
-            replica.refresh()
         order = self.order
-        if order is None:
-            open_ = [r for r in candidates if r.has_room(cost)]
-        else:
-            reserve = order.reserve(info)
-            open_ = [r for r in candidates if r.has_room(cost, reserve)]
+        reserve = 0 if order is None else order.reserve(info)
+        open_ = [r for r in candidates if r.has_room(cost, reserve)]
         if not open_:
             return None
         if order is not None:

@@ -17,7 +17,7 @@ import math
 import ssl
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import cast
 from urllib.parse import urlsplit
 
@@ -35,6 +35,13 @@ class Origin:
     host: str
     port: int
     host_header: bytes  # what a request to it sends as `Host`
+    _hash: int = field(init=False, repr=False, compare=False)  # the pool's key, hashed twice per request
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_hash", hash((self.scheme, self.host, self.port, self.host_header)))
+
+    def __hash__(self) -> int:
+        return self._hash
 
     @classmethod
     def from_url(cls, url: str) -> Origin:
