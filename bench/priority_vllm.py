@@ -30,29 +30,26 @@ from typing import Any
 import numpy as np
 
 from bench.common import RESULTS
+from bench.gateway_overhead import free_port
 from bench.priority_load import compare, phase
+from deploy.hardware import cpu_list, usable_cpus
+from deploy.plan import ReplicaSpec
+from deploy.process import VllmServer
+from deploy.tinymodel import ensure_tiny_model
 
 MODEL = "tiny-opt"
 PHASES = ("alone", "priority", "tenants", "direct alone", "direct")
 BASE = {"priority": "alone", "tenants": "alone", "direct": "direct alone"}  # each ratio's denominator
 
 
-def start_replica(stack: ExitStack) -> str:
-    """The test's replica (tests/test_priority_vllm.py), running until `stack` closes: its URL."""
-    from deploy.hardware import cpu_list, usable_cpus
-    from deploy.plan import ReplicaSpec
-    from deploy.process import VllmServer
-    from deploy.tinymodel import ensure_tiny_model
-    from bench.gateway_overhead import free_port
-
-    log = Path(tempfile.mkdtemp(prefix="priority-vllm-")) / "vllm.log"
+def replica_server(log: Path) -> VllmServer:
+    """The replica of tests/test_priority_vllm.py and of this benchmark, not yet started (a context manager)."""
     spec = ReplicaSpec(name="priority", model=str(ensure_tiny_model()), port=free_port(), max_num_seqs=8,
                        max_model_len=512, cpu_kvcache_space_gib=1, served_model_name=MODEL,
                        extra_args=("--scheduling-policy", "priority"))
     cpus = usable_cpus()
     env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": cpu_list(cpus)}
-    server = stack.enter_context(VllmServer(spec, log, env, startup_timeout_s=420, cpus=cpus))
-    return server.url
+    return VllmServer(spec, log, env, startup_timeout_s=420, cpus=cpus)
 
 
 def percentiles(samples: list[float]) -> dict[str, float]:
@@ -118,7 +115,8 @@ def main() -> None:
     if args.rounds < 1 or args.samples < 1:
         parser.error("--rounds and --samples must be at least 1")
     with ExitStack() as stack:
-        replica = args.replica or start_replica(stack)
+        replica = args.replica or stack.enter_context(
+            replica_server(Path(tempfile.mkdtemp(prefix="priority-vllm-")) / "vllm.log")).url
         started = time.monotonic()
         rounds = asyncio.run(measure(replica, args))
         seconds = time.monotonic() - started

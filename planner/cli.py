@@ -201,6 +201,8 @@ def _profile_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.add_argument("--gpu-index", type=int, default=0, help="the GPU NVML samples (0)")
     p.add_argument("--metrics-interval", type=float, default=0.5, help="seconds between /metrics scrapes")
     p.add_argument("--warmup", type=int, default=2, help="warm-up requests before each point (2)")
+    p.add_argument("--prompt-seed", type=int, default=0, help="another seed, other prompts: for a replica profiled "
+                   "again, whose prefix cache holds the first profile's prompts (0)")
     p.add_argument("--dry-run", action="store_true", help="print the runs without running them")
     p.set_defaults(run=_run_profile)
 
@@ -218,7 +220,8 @@ def _run_profile(args: argparse.Namespace) -> int:
     sweep = ProfileConfig(out=args.out, batch_sizes=args.batch_sizes or DEFAULT_BATCH_SIZES,
                           num_requests=args.num_requests, warmup_requests=args.warmup,
                           model_name=args.served_model_name, metrics_interval_s=args.metrics_interval,
-                          timeouts=Timeouts(request_s=args.request_timeout), dry_run=args.dry_run)
+                          timeouts=Timeouts(request_s=args.request_timeout), dry_run=args.dry_run,
+                          prompt_seed=args.prompt_seed)
     command = ProfileCommand(sweep=sweep, workload=_workload_options(args), model=args.model, url=args.url,
                              vllm_args=tuple(shlex.split(args.vllm_args)), port=args.port,
                              cpu_kvcache_space_gib=args.cpu_kvcache_space_gib,

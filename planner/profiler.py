@@ -32,6 +32,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 WARMUP_OFFSET = 10**9  # prompt indices: warmup, then 10**6 per B, so no prompt repeats across points
+SEED_STRIDE = 10**10  # ... and another prompt seed starts this far on: no prompt of one seed's profile in another's
 
 
 def default_num_requests(batch_size: int) -> int:
@@ -52,6 +53,7 @@ class ProfileConfig:
     progress_interval_s: float = 5.0
     timeouts: Timeouts = field(default_factory=Timeouts)
     dry_run: bool = False
+    prompt_seed: int = 0  # another seed, other prompts: a replica profiled again finds none in its prefix cache
 
     def __post_init__(self) -> None:
         if not self.batch_sizes or any(b < 1 for b in self.batch_sizes):
@@ -62,6 +64,8 @@ class ProfileConfig:
             raise PlannerError(f"--num-requests must be >= 1, got {self.num_requests}")
         if self.warmup_requests < 0 or self.metrics_interval_s <= 0:
             raise PlannerError("--warmup must be >= 0 and --metrics-interval > 0")
+        if self.prompt_seed < 0:
+            raise PlannerError(f"--prompt-seed must be >= 0, got {self.prompt_seed}")
 
     def requests_for(self, batch_size: int) -> int:
         return self.num_requests or default_num_requests(batch_size)
@@ -151,12 +155,13 @@ class Profiler:
         """One point against a replica at `url`: warm up, run, scrape, sample."""
         n = self.config.requests_for(batch)
         timeouts = self.config.timeouts
+        seed = self.config.prompt_seed * SEED_STRIDE
         async with aiohttp.ClientSession() as session:
             model = self.config.model_name or await served_model(session, url)
             if self.config.warmup_requests:
-                warm = self.workload.requests(self.config.warmup_requests, WARMUP_OFFSET)
+                warm = self.workload.requests(self.config.warmup_requests, WARMUP_OFFSET + seed)
                 await run_load(session, url, model, warm, batch, timeouts)
-            requests = self.workload.requests(n, batch * 10**6)
+            requests = self.workload.requests(n, seed + batch * 10**6)
             progress = Progress(self.out, batch, n, self.config.progress_interval_s)
             async with MetricsWatcher(session, url, self.config.metrics_interval_s) as watcher:
                 load, gpu = await self._run_sampled(session, url, model, requests, batch, progress)

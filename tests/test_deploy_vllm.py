@@ -290,21 +290,25 @@ async def test_one_trace_runs_from_the_client_through_the_gateway_into_vllm(depl
 def test_the_simulator_against_these_replicas_quick(deployment: Deployment, tmp_path: Path) -> None:
     """`python -m bench.sim_vs_real --quick` over this deployment's replicas: profile one, calibrate, the same
     schedule through a gateway per policy on both sides; every request completes and the simulator's median TTFT,
-    TPOT and E2E are within a factor of two of the real ones (the goal's 15% is the full run's to judge)."""
+    TPOT and E2E are within a factor of two of the real ones (the goal's 15% is the full run's to judge). With
+    `--calibrations isolated,together`, a second simulated side calibrated from both replicas profiled at once."""
     import math
 
     from sim.measured import ReplicaModel
 
     out = tmp_path / "svr"
     done = subprocess.run([sys.executable, "-m", "bench.sim_vs_real", "--quick", "--out", str(out), "--port", "18500",
-                           "--deployment", str(deployment.run_dir)], capture_output=True, text=True, timeout=840,
+                           "--deployment", str(deployment.run_dir), "--calibrations", "isolated,together"],
+                          capture_output=True, text=True, timeout=840,
                           cwd=Path(__file__).resolve().parent.parent)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     model = ReplicaModel.load(out / "replica.json")
     assert model.block_size == 128 and model.max_num_seqs == 32 and model.prefix_caching
     rows = [json.loads(line) for line in (out / "runs.jsonl").read_text().splitlines()]
-    assert {(r["side"], r["policy"]) for r in rows} == {(s, p) for s in ("real", "sim")
+    assert {(r["side"], r["policy"]) for r in rows} == {(s, p) for s in ("real", "sim", "sim-together")
                                                         for p in ("prefix_affinity", "round_robin")}
+    together = ReplicaModel.load(out / "replica_together.json")  # fitted to the first of two profiles taken at once
+    assert (out / "profile-quick_together" / "1" / "frontier.json").exists() and together.max_num_seqs == 32
     assert all(r["failed"] == 0 and r["completed"] > 10 for r in rows)
     # where the CPU went: two cores, each replica's process tree using part of one
     assert all(len(r["cpu"]["cores_busy"]) == os.cpu_count() and 0 < sum(r["cpu"]["replicas"]) for r in rows), \
@@ -316,7 +320,8 @@ def test_the_simulator_against_these_replicas_quick(deployment: Deployment, tmp_
             real, sim = (sorted(by[(side, policy)][metric]) for side in ("real", "sim"))
             a, b = real[len(real) // 2], sim[len(sim) // 2]
             assert math.isfinite(b) and 0.5 < b / a < 2.0, (policy, metric, a, b)
-    assert "mix/poisson/0.5" in (out / "report.md").read_text()
+    report = (out / "report.md").read_text()
+    assert "mix/poisson/0.5" in report and "Real against `sim-together`" in report
 
 
 def test_killed_replica_is_routed_around_restarted_and_taken_back(deployment: Deployment) -> None:

