@@ -308,7 +308,9 @@ def test_the_simulator_against_these_replicas_quick(deployment: Deployment, tmp_
     assert {(r["side"], r["policy"]) for r in rows} == {(s, p) for s in ("real", "sim", "sim-together")
                                                         for p in ("prefix_affinity", "round_robin")}
     together = ReplicaModel.load(out / "replica_together.json")  # fitted to the first of two profiles taken at once
-    assert (out / "profile-quick_together" / "1" / "frontier.json").exists() and together.max_num_seqs == 32
+    assert together.max_num_seqs == 32
+    assert sorted(p.name for p in (out / "profile-quick_together" / "1").glob("point-b*.json")) == [
+        "point-b00001.json", "point-b00008.json"]  # the second replica, profiled at the same time
     assert all(r["failed"] == 0 and r["completed"] > 10 for r in rows)
     # where the CPU went: two cores, each replica's process tree using part of one
     assert all(len(r["cpu"]["cores_busy"]) == os.cpu_count() and 0 < sum(r["cpu"]["replicas"]) for r in rows), \
