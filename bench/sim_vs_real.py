@@ -433,6 +433,7 @@ def versus(real: dict[str, Any], sim: dict[str, Any], name: str) -> list[str]:
             "err", "TPOT p50 real", "sim", "err", "E2E p50 real", "sim", "err", "hit rate real", "sim"]
     body: list[list[object]] = []
     errors: dict[str, list[float]] = {"ttft_p50": [], "ttft_p99": [], "tpot_p50": [], "e2e_p50": []}
+    by_load: dict[str, dict[str, list[float]]] = {}  # the same errors, by the point's load
     same_order = total_points = 0
     for point in real:
         if point not in sim:
@@ -447,6 +448,7 @@ def versus(real: dict[str, Any], sim: dict[str, Any], name: str) -> list[str]:
             for metric in errors:
                 err = b[metric] / a[metric] - 1
                 errors[metric].append(err)
+                by_load.setdefault(point.rsplit("/", 1)[-1], {}).setdefault(metric, []).append(err)
                 row += [f"{a[metric]:.0f}" if metric != "tpot_p50" else f"{a[metric]:.1f}",
                         f"{b[metric]:.0f}" if metric != "tpot_p50" else f"{b[metric]:.1f}", f"{err:+.0%}"]
             row += [f"{a['hit_rate']:.1%}", f"{b['hit_rate']:.1%}"]
@@ -457,11 +459,6 @@ def versus(real: dict[str, Any], sim: dict[str, Any], name: str) -> list[str]:
         lines += [f"`{name}`: median absolute error over all rows: " + ", ".join(
             f"{m} {np.median(np.abs(v)):.0%}" for m, v in errors.items()) + "; policies ranked the same by p99 "
             f"TTFT at {same_order} of {total_points} points.", ""]
-        by_load: dict[str, dict[str, list[float]]] = {}
-        for row_, *values in zip(body, *errors.values()):
-            load = str(row_[0]).rsplit("/", 1)[-1]
-            for metric, value in zip(errors, values):
-                by_load.setdefault(load, {}).setdefault(metric, []).append(value)
         lines += ["By load, median error (signed): " + "; ".join(
             f"{load}: " + ", ".join(f"{m} {np.median(v):+.0%}" for m, v in by.items())
             for load, by in by_load.items()), ""]
