@@ -43,7 +43,8 @@ from typing import Any
 import psutil
 
 from bench.common import RESULTS, markdown_table, worktree
-from bench.gateway_overhead import ROOT, cpu_seconds, fixed_rate, free_port, pct, wrk
+from bench.gateway_overhead import ROOT, fixed_rate, free_port, pct, wrk
+from bench.gpu.cpu import tree_cpu_seconds
 
 PEERS_DIR = ROOT / "runs" / "peers"
 KEY = "sk-bench"
@@ -161,13 +162,7 @@ def started(argv: list[str], url: str, log: Path, timeout_s: float = 60, cwd: Pa
 
 def cpu_s(process: psutil.Process) -> float:
     """CPU seconds of a process and its children (nginx's worker), every thread (the Rust routers' runtimes)."""
-    total = 0.0
-    for p in (process, *process.children(recursive=True)):
-        try:
-            total += cpu_seconds(p.pid)
-        except FileNotFoundError:  # ended meanwhile
-            continue
-    return total
+    return tree_cpu_seconds(process.pid, False) + tree_cpu_seconds(process.pid, True)
 
 
 SCENARIOS: dict[str, tuple[dict[str, Any], int, int, float]] = {  # body, connections, units per answer, x seconds

@@ -2,7 +2,8 @@
 
 A vLLM replica is an API server process (HTTP, tokenizing, streaming) with its engine core as a child; on a fast
 GPU the API server can be the limit (docs/bench/gpu/README.md), and a gateway in front of it another. `CpuMeter`
-reads each process tree's CPU time when a measurement starts and ends: cores = CPU seconds / wall seconds. A child that exits in between takes its time with it; the processes measured here live throughout.
+reads each process tree's CPU time when a measurement starts and ends: cores = CPU seconds / wall seconds. A child
+that exits in between takes its time with it; the processes measured here live throughout.
 """
 
 from __future__ import annotations
