@@ -82,8 +82,16 @@ class Router:
 
     # -- choosing -------------------------------------------------------------------------------------------
     def _candidates(self, info: RequestInfo, exclude: frozenset[str]) -> list[Replica]:
-        return [r for r in self.replicas.values()
-                if r.healthy and not r.draining and r.serves(info.model) and r.url not in exclude]
+        """The healthy replicas serving the model, not draining or excluded, each refreshed as it is found (one pass:
+        this runs for every request)."""
+        model = info.model
+        candidates = []
+        for replica in self.replicas.values():
+            if replica.healthy and not replica.draining and (not model or model in replica.models) \
+                    and replica.url not in exclude:
+                replica.refresh()
+                candidates.append(replica)
+        return candidates
 
     def check_model(self, model: str) -> None:
         """404 for a model no replica lists, once some replica is healthy to say so (until then routing answers 503)."""
@@ -104,13 +112,7 @@ class Router:
 
     def try_acquire(self, info: RequestInfo, exclude: frozenset[str] = frozenset()) -> Lease | None:
         """A lease on a replica with room now, or None when every candidate is at its cap."""
-        model = info.model
-        candidates = []  # _candidates(), refreshed as they are found: this runs for every request
-        for replica in self.replicas.values():
-            if replica.healthy and not replica.draining and (not model or model in replica.models) \
-                    and replica.url not in exclude:
-                replica.refresh()
-                candidates.append(replica)
+        candidates = self._candidates(info, exclude)
         if not candidates:
             raise self._no_candidate(info, exclude)
         cost = info.prompt_tokens + info.max_tokens
