@@ -67,9 +67,12 @@ def _parser() -> argparse.ArgumentParser:
                                                  "(default 0.6,0.9,1.2)")
     p.add_argument("--rate-duration", type=float, dest="rate_duration_s", help="seconds per Poisson run (20)")
     p.add_argument("--point-s", type=float, help="seconds a closed-loop point may take (25)")
+    p.add_argument("--waves", type=float, help="rounds of its concurrency a closed-loop point sends at most "
+                                               "(default 6: the first, the fill, is left out of the steady rate)")
     p.add_argument("--no-mps", action="store_true", help="skip the MPS step")
     p.add_argument("--no-direct", action="store_true",
-                   help="skip driving 1..N replicas straight (one client process each, no gateway)")
+                   help="skip driving 1..N replicas with one client process per replica, straight and through "
+                        "the gateway")
     p.add_argument("--gateway-workers", type=int,
                    help="gateway worker processes for every gateway (default: the plan's; 1 for the single instance)")
     p.add_argument("--port", type=int, help="the gateway's port; replicas on the next ones (default 18000)")
@@ -92,7 +95,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
     return with_overrides(base, device=args.device, batch_sizes=args.batch_sizes, input_tokens=args.input_tokens,
                           output_tokens=args.output_tokens, min_replicas=args.min_replicas,
                           max_replicas=args.max_replicas, loads=args.loads, rate_duration_s=args.rate_duration_s,
-                          point_s=args.point_s, port=args.port, mps=False if args.no_mps else None,
+                          point_s=args.point_s, waves=args.waves, port=args.port, mps=False if args.no_mps else None,
                           direct=False if args.no_direct else None, gateway_workers=args.gateway_workers,
                           vllm_args=tuple(shlex.split(args.vllm_args)) if args.vllm_args else None)
 
@@ -161,6 +164,11 @@ def run(settings: Settings, steps: Sequence[str], log: Callable[[str], None] = p
     from planner.gpu import open_sampler
 
     store = Store(settings.out)
+    if tuple(steps) == ("report",):
+        # The report alone measures nothing: it reads the points, so it runs anywhere (a GPU run's results
+        # re-reported on a laptop), and keeps the settings and machine facts of the run that measured them.
+        log("== report")
+        return report.write(settings, store)
     settings.out.mkdir(parents=True, exist_ok=True)
     write_json(settings.out / "settings.json", settings.to_dict())
     hardware = detect(settings.device)

@@ -76,6 +76,8 @@ class ProfilePoint:
     num_requests: int | None = None
     failed_requests: int | None = None
     duration_s: float | None = None
+    steady_tok_s: float | None = None  # tokens/s with all B in flight, the fill left out (planner.stats)
+    steady_s: float | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int) or self.batch_size < 1:

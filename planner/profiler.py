@@ -192,7 +192,8 @@ class Profiler:
                             preemptions=watcher.preemptions, peak_kv_usage=watcher.peak_kv_usage,
                             mean_running=watcher.mean_running, metrics_missed=watcher.missed,
                             kv_pool=watcher.kv_pool, gpu=gpu, num_requests=s.num_requests,
-                            failed_requests=s.failed_requests, duration_s=s.duration_s)
+                            failed_requests=s.failed_requests, duration_s=s.duration_s,
+                            steady_tok_s=s.steady_tok_s, steady_s=s.steady_s)
 
 
 def _pct(value: float | None) -> str:

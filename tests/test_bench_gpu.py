@@ -24,13 +24,13 @@ from planner.validate import CountResult
 
 
 def test_requests_are_sized_by_waves_and_by_the_time_a_point_may_take() -> None:
-    """Two waves of the concurrency, at least min_requests, at most what the last rate serves in point_s, and
-    never less than one wave."""
+    """Six waves of the concurrency (the first is the fill, left out of the steady rate), at least min_requests,
+    at most what the last rate serves in point_s, and never less than one wave."""
     s = gpu_preset("synthetic:opt-1.3b", Path("/tmp/x"))
-    assert s.requests_for(1, None) == 16 and s.requests_for(256, None) == 512
+    assert s.requests_for(1, None) == 16 and s.requests_for(256, None) == 1536
     assert s.requests_for(256, 10.0) == 256  # 10 req/s x 25 s = 250 < one wave: one wave
     assert s.requests_for(256, 15.0) == 375
-    assert s.requests_for(64, 1000.0) == 128
+    assert s.requests_for(64, 1000.0) == 384
 
 
 def test_the_gpu_budget_fits_the_window_and_dry_run_says_so(capsys: pytest.CaptureFixture[str],
@@ -73,7 +73,7 @@ def stored(tmp_path: Path) -> tuple[Settings, Store]:
                              gpu_name="NVIDIA H100 80GB HBM3", gpu_memory_total_bytes=80 * 2**30)
     for b, tok in ((64, 8000.0), (256, 11000.0)):
         write_point(tmp_path / "frontier", context, ProfilePoint(
-            batch_size=b, total_tok_s=tok, req_s=tok / 384, tpot_ms=Latency(mean=b / 10, p50=b / 10, p99=b / 5),
+            batch_size=b, total_tok_s=tok, req_s=tok / 384, steady_tok_s=tok + 500 if b == 256 else None, tpot_ms=Latency(mean=b / 10, p50=b / 10, p99=b / 5),
             ttft_ms=Latency(mean=50.0, p50=40.0, p99=90.0), preemptions=0,
             gpu=GpuSummary(**gpu(90.0, 40.0 + b / 10))))  # type: ignore[arg-type]
     replicas = tuple(ReplicaSpec(f"r{i}", s.model, 18001 + i, max_num_seqs=256, gpu_memory_utilization=0.45,
@@ -87,6 +87,12 @@ def stored(tmp_path: Path) -> tuple[Settings, Store]:
     for k, tok in ((1, 14000.0), (2, 19600.0)):
         store.put("replicas", f"direct-k{k}", {"replicas": k, "batch_size": 256, "total_tok_s": tok,
                                                "cpu_cores": {"api_servers": 0.97 * k, "engines": 0.8 * k}})
+    for k, tok, steady in ((1, 13000.0, None), (2, 18200.0, 18000.0)):
+        store.put("replicas", f"gateway-k{k}", {"replicas": k, "batch_size": 256, "total_tok_s": tok,
+                                                "steady_tok_s": steady})
+    store.put("replicas", "gateway-k2", {**store.get("replicas", "gateway-k2"),  # type: ignore[dict-item]
+                                         "cpu_cores": {"clients": 1.5, "gateway": 1.2, "api_servers": 1.9,
+                                                       "engines": 1.6}})
     store.put("replicas", "k2", {**store.get("replicas", "k2"),  # type: ignore[dict-item]
                                  "cpu_cores": {"gateway": 1.98, "api_servers": 1.2, "engines": 1.1}})
     for policy, n in (("single", 1), ("least_outstanding_tokens", 2), ("round_robin", 2)):
@@ -119,11 +125,14 @@ def test_report_sets_the_measurements_beside_the_papers_and_the_simulator(stored
     ctx = Context(s, store, Hardware(gpus=(), cpus=(0,)), None, log=lambda line: None)
     decide(ctx, "replicas")
     text = write(s, store).read_text()
-    assert "| 256 | 11,000 | 25.6 |" in text and "10,810 | 29.9 |" in text  # ours beside the paper's B=256
+    assert "| 256 | 11,000 | 11,500 | 25.6 |" in text and "10,810 | 29.9 |" in text  # ours beside the paper's
     assert "14,669 (+35%)" in text and "| 2 | 11,300 | +3% |" in text and "14,000 | +27% |" in text
-    assert "| 19,600 | +40% |" in text  # two replicas driven straight, beside the gateway's figure
+    assert "| 18,000 | +38% |" in text  # k clients through the gateway: the steady rate where there is one
+    assert "| 19,600 | +40% |" in text  # two replicas driven straight, beside the gateway's figures
     assert "## The step-time model against this GPU" in text and "Constants: fitted on H100-80GB" in text
-    assert "| 2 | 1.98 | 1.20 | 1.10 | 1.94 | 1.60 |" in text and "| 1 | - | - | - | 0.97 | 0.80 |" in text
+    assert "| 2 | gateway, 1 client | - | 1.98 | 1.20 | 1.10 |" in text
+    assert "| 2 | gateway, k clients | 1.50 | 1.20 | 1.90 | 1.60 |" in text
+    assert "| 1 | straight, k clients | - | - | 0.97 | 0.80 |" in text
     assert "replication does not pay here" in text
     assert "| least_outstanding_tokens | 2 | 1.2 | 33.60 | 10,800 |" in text
     assert "- gpu: NVIDIA H100 80GB HBM3" in text and "| frontier | 1 |" in text

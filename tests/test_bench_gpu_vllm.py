@@ -1,6 +1,7 @@
 """`python -m bench.gpu_replication --quick` end to end on REAL vLLM (CPU) with the tiny model: the frontier on
-one instance, `planner plan`, 1..2 replicas through the gateway, the routing policies under a real Locust run,
-the report; then the same command again measures nothing (every point is on disk)."""
+one instance, `planner plan`, 1..2 replicas through the gateway (one client, then one per replica) and straight,
+the routing policies under a real Locust run, the report; then the same command again measures nothing (every
+point is on disk)."""
 
 from __future__ import annotations
 
@@ -46,10 +47,16 @@ def test_quick_run_end_to_end_and_resume(tmp_path: Path) -> None:
         assert count["replicas"] == k and count["concurrency"] == k * plan["b_star"]
         assert count["total_tok_s"] > 0 and count["failed_requests"] == 0
         assert count["cpu_cores"]["gateway"] > 0 and count["cpu_cores"]["engines"] > 0
-    for k in (1, 2):  # the same replicas driven straight, one client process each
+        assert count["cpu_cores"]["bench_process"] > 0  # where validate's one client ran
+        assert count["steady_tok_s"] > 0 and count["steady_s"] > 0  # two waves: a steady part between them
+    for k in (1, 2):  # the same replicas with one client process each: through the gateway, and straight
+        through = json.loads((out / "points" / "replicas" / f"gateway-k{k}.json").read_text())
         straight = json.loads((out / "points" / "replicas" / f"direct-k{k}.json").read_text())
+        assert through["replicas"] == k and len(through["per_client_tok_s"]) == k and through["failed"] == [0] * k
+        assert through["cpu_cores"]["gateway"] > 0 and through["cpu_cores"]["clients"] > 0
         assert straight["replicas"] == k and len(straight["per_replica_tok_s"]) == k
         assert straight["total_tok_s"] > 0 and straight["failed"] == [0] * k
+        assert straight["steady_tok_s"] > 0 and straight["cpu_cores"]["clients"] > 0
         assert straight["cpu_cores"]["api_servers"] > 0 and straight["cpu_cores"]["engines"] > 0
     decision = json.loads((out / "points" / "replicas" / "decision.json").read_text())
     assert decision["decision"].startswith(f"keep {decision['best_replicas']} replica")

@@ -123,6 +123,22 @@ def test_summary_rates_are_over_wall_time_and_skip_failures() -> None:
     assert s.ttft_ms.mean == pytest.approx(300.0) and s.e2e_ms.p50 == pytest.approx(1250.0)
 
 
+def test_steady_rate_counts_the_tokens_between_the_first_end_and_the_last_start() -> None:
+    """A closed loop of 2 over 4 requests: the window is [2, 3) s, from A's end to D's start. In it: A's last
+    chunk (1 token), B's third chunk (2 tokens: 8 over 4 chunks), C's prompt and first token (10 + 1); chunks at
+    3.0 fall outside. A failed request ending first does not open the window early."""
+    results = (RequestResult(0.0, 2.0, ttft_s=1.0, gaps_s=(0.5, 0.5), prompt_tokens=10, output_tokens=3),
+               RequestResult(0.0, 3.0, ttft_s=1.2, gaps_s=(0.6, 0.6, 0.6), prompt_tokens=10, output_tokens=8),
+               RequestResult(2.0, 4.0, ttft_s=0.5, gaps_s=(0.5,), prompt_tokens=10, output_tokens=2),
+               RequestResult(3.0, 5.0, ttft_s=0.5, prompt_tokens=10, output_tokens=1))
+    s = summarize(LoadResult(results, concurrency=2))
+    assert (s.steady_tok_s, s.steady_s) == (14.0, 1.0)
+    failed_first = (RequestResult(0.0, 0.1, error="HTTP 500"), *results)
+    assert summarize(LoadResult(failed_first, concurrency=2)).steady_s == 1.0
+    one_wave = summarize(LoadResult(results[:2], concurrency=2))
+    assert (one_wave.steady_tok_s, one_wave.steady_s) == (None, None)
+
+
 @pytest.fixture
 def fake_url(tmp_path: Path) -> Iterator[str]:
     """A FAKE replica in its own process (the CLI runs its own event loop)."""

@@ -48,11 +48,13 @@ class Running:
     pids: list[int] = field(default_factory=list)  # each replica's API server; its engine core is a child
 
 
-def cpu_meter(replica_pids: list[int], gateway_pid: int | None = None) -> CpuMeter:
-    """Cores used by the gateway (its supervisor and workers), the replicas' API servers and engine cores."""
+def cpu_meter(replica_pids: list[int], gateway_pid: int | None = None, bench_pid: int | None = None) -> CpuMeter:
+    """Cores used by the gateway (its supervisor and workers), the replicas' API servers and engine cores, and
+    the benchmark's own process (where `planner validate`'s client runs, beside the GPU sampler)."""
     return CpuMeter({"gateway": [] if gateway_pid is None else [(gateway_pid, False), (gateway_pid, True)],
                      "api_servers": [(pid, False) for pid in replica_pids],
-                     "engines": [(pid, True) for pid in replica_pids]})
+                     "engines": [(pid, True) for pid in replica_pids],
+                     "bench_process": [] if bench_pid is None else [(bench_pid, False)]})
 
 
 @contextlib.contextmanager
@@ -131,7 +133,7 @@ class SampledDeployer:
         pids: list[int] = []
         with gateway(self.plan, self.hardware, self.run_dir / label, len(plan.replicas), self.policy,
                      self.port, workers=self.workers, pids=pids) as url:
-            meter = cpu_meter(self.replica_pids[:len(plan.replicas)], pids[0] if pids else None)
+            meter = cpu_meter(self.replica_pids[:len(plan.replicas)], pids[0] if pids else None, os.getpid())
             meter.start()
             if self.sampler is not None:
                 self.sampler.start()

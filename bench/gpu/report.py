@@ -126,64 +126,76 @@ def frontier_section(points: Sequence[ProfilePoint]) -> tuple[str, dict[str, Any
     for p in sorted(points, key=lambda q: q.batch_size):
         r = ref.get(p.batch_size)
         gpu = {} if p.gpu is None else p.gpu.__dict__
-        rows.append([p.batch_size, f"{p.total_tok_s:,.0f}", f"{p.tpot_ms.mean or 0:.1f}", f"{p.ttft_ms.p50 or 0:.0f}",
+        rows.append([p.batch_size, f"{p.total_tok_s:,.0f}", "-" if p.steady_tok_s is None else f"{p.steady_tok_s:,.0f}",
+                     f"{p.tpot_ms.mean or 0:.1f}", f"{p.ttft_ms.p50 or 0:.0f}",
                      p.preemptions if p.preemptions is not None else "-", _gpu_cell(gpu, "utilization_mean_pct", "%"),
                      _gpu_cell(gpu, "sm_active_mean_pct", "%"), _gpu_cell(gpu, "power_mean_w", " W"),
                      f"{r.total_tok_s:,.0f}" if r else "-", f"{r.tpot_ms.mean:.1f}" if r and r.tpot_ms.mean else "-"])
     best = max(points, key=lambda q: q.total_tok_s)
-    text = markdown_table(["B", "tok/s", "mean TPOT ms", "TTFT p50 ms", "preempt.", "GPU util", "SM active",
+    text = markdown_table(["B", "tok/s", "steady tok/s", "mean TPOT ms", "TTFT p50 ms", "preempt.", "GPU util", "SM active",
                            "power", "paper tok/s", "paper TPOT ms"], rows)
     return text, {"best_batch": best.batch_size, "best_tok_s": best.total_tok_s}
+
+
+def rate(point: dict[str, Any] | None) -> float | None:
+    """A count's tokens/s: over its steady part where it has one (`planner.stats.steady_window`), else over its
+    whole run (runs before the steady rate was recorded)."""
+    if point is None:
+        return None
+    steady = point.get("steady_tok_s")
+    return float(steady if steady is not None else point["total_tok_s"])
+
+
+def _rate_cells(point: dict[str, Any] | None, one: dict[str, Any] | None) -> list[object]:
+    value, base = rate(point), rate(one)
+    if value is None:
+        return ["-", "-"]
+    return [f"{value:,.0f}", f"{value / base - 1:+.0%}" if base else "-"]
 
 
 def counts_section(store: Store, sims: dict[int, float]) -> tuple[str, dict[str, Any]]:
     plain, mps = store.all("replicas"), store.all("mps")
     ks = sorted({int(n[1:]) for n in [*plain, *mps] if re.fullmatch(r"k\d+", n)})
     paper = replication_reference()
-    base = {name: (data.get("k1") or {}).get("total_tok_s") for name, data in (("plain", plain), ("mps", mps))}
     rows = []
     for k in ks:
         cells: list[object] = [k]
-        for name, data in (("plain", plain), ("mps", mps)):
-            point = data.get(f"k{k}")
-            if point is None:
-                cells += ["-", "-", "-"]
-                continue
-            one = base[name]
-            cells += [f"{point['total_tok_s']:,.0f}", f"{point['total_tok_s'] / one - 1:+.0%}" if one else "-",
-                      _gpu_cell(point.get("gpu"), "sm_active_mean_pct", "%")
-                      if (point.get("gpu") or {}).get("sm_active_mean_pct") is not None
-                      else _gpu_cell(point.get("gpu"), "utilization_mean_pct", "%")]
-        straight, straight_one = plain.get(f"direct-k{k}"), (plain.get("direct-k1") or {}).get("total_tok_s")
-        cells += [f"{straight['total_tok_s']:,.0f}" if straight else "-",
-                  f"{straight['total_tok_s'] / straight_one - 1:+.0%}" if straight and straight_one else "-"]
+        cells += _rate_cells(plain.get(f"k{k}"), plain.get("k1"))
+        cells += _rate_cells(plain.get(f"gateway-k{k}"), plain.get("gateway-k1"))
+        cells += _rate_cells(plain.get(f"direct-k{k}"), plain.get("direct-k1"))
+        point = plain.get(f"k{k}") or {}
+        cells.append(_gpu_cell(point.get("gpu"), "sm_active_mean_pct", "%")
+                     if (point.get("gpu") or {}).get("sm_active_mean_pct") is not None
+                     else _gpu_cell(point.get("gpu"), "utilization_mean_pct", "%"))
+        cells += _rate_cells(mps.get(f"k{k}"), mps.get("k1"))
         cells += [f"{paper[k]:,.0f} ({paper[k] / paper[1] - 1:+.0%})" if k in paper else "-",
                   f"{sims[k]:,.0f} ({sims[k] / sims[1] - 1:+.0%})" if k in sims and 1 in sims else "-"]
         rows.append(cells)
-    text = markdown_table(["replicas", "tok/s", "vs 1", "GPU (SM active or util)", "MPS tok/s", "MPS vs 1", "MPS GPU",
-                           "straight tok/s", "straight vs 1", "paper B=256 (MPS)", "simulator"], rows)
+    text = markdown_table(["replicas", "1 client tok/s", "vs 1", "k clients tok/s", "vs 1", "straight tok/s",
+                           "straight vs 1", "GPU (SM active or util)", "MPS tok/s", "MPS vs 1", "paper B=256 (MPS)",
+                           "simulator"], rows)
     decisions = {name: (data.get("decision") or {}).get("decision") for name, data in (("plain", plain), ("mps", mps))}
     return text, {"counts": ks, "decisions": decisions, "paper": paper, "sim": sims,
                   "mps_unavailable": (mps.get("unavailable") or {}).get("reason")}
 
 
 def cpu_section(store: Store) -> str | None:
-    """CPU cores each kind of process used during each count, through the gateway and straight (None: not
-    recorded, as in runs before it was)."""
+    """CPU cores each kind of process used during each count, for each way it was driven (None: not recorded, as
+    in runs before it was). The client is the benchmark's own process for `planner validate`'s one client."""
     plain = store.all("replicas")
+    ways = (("k{}", "gateway, 1 client", "bench_process"), ("gateway-k{}", "gateway, k clients", "clients"),
+            ("direct-k{}", "straight, k clients", "clients"))
     rows = []
     for k in sorted(int(n[1:]) for n in plain if re.fullmatch(r"k\d+", n)):
-        through = plain[f"k{k}"].get("cpu_cores") or {}
-        straight = (plain.get(f"direct-k{k}") or {}).get("cpu_cores") or {}
-        if not through and not straight:
-            continue
-        cells = [through.get("gateway"), through.get("api_servers"), through.get("engines"),
-                 straight.get("api_servers"), straight.get("engines")]
-        rows.append([k, *("-" if c is None else f"{c:.2f}" for c in cells)])
+        for name, driven, client in ways:
+            cpu = (plain.get(name.format(k)) or {}).get("cpu_cores") or {}
+            if not cpu:
+                continue
+            cells = [cpu.get(client), cpu.get("gateway"), cpu.get("api_servers"), cpu.get("engines")]
+            rows.append([k, driven, *("-" if c is None else f"{c:.2f}" for c in cells)])
     if not rows:
         return None
-    return markdown_table(["replicas", "gateway", "API servers", "engine cores", "straight: API servers",
-                           "straight: engine cores"], rows)
+    return markdown_table(["replicas", "driven by", "client", "gateway", "API servers", "engine cores"], rows)
 
 
 def routing_section(store: Store, settings: Settings) -> str:
@@ -234,8 +246,12 @@ def plot_counts(store: Store, sims: dict[int, float], path: Path) -> None:
     plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
     series: list[tuple[str, dict[int, float], str]] = []
-    for name, step in (("measured, no MPS", "replicas"), ("measured, MPS", "mps")):
-        data = {int(k[1:]): v["total_tok_s"] for k, v in store.all(step).items() if re.fullmatch(r"k\d+", k)}
+    for name, step, pattern in (("gateway, 1 client", "replicas", r"k(\d+)"),
+                                ("gateway, k clients", "replicas", r"gateway-k(\d+)"),
+                                ("straight, k clients", "replicas", r"direct-k(\d+)"),
+                                ("gateway, 1 client, MPS", "mps", r"k(\d+)")):
+        data = {int(m.group(1)): rate(v) or 0.0 for k, v in store.all(step).items()
+                if (m := re.fullmatch(pattern, k))}
         if data:
             series.append((name, data, "-o"))
     series.append(("paper, B=256, MPS (H100 64 GB, vLLM 0.5.2)", replication_reference(), "--s"))
@@ -386,15 +402,18 @@ def write(settings: Settings, store: Store) -> Path:
              "## Plan", "", f"{plan_facts.get('summary', '-')}", "",
              f"Measured: {plan_facts.get('measured_replicas', '-')} replica(s): {plan_facts.get('why', '-')}.", "",
              "## Fig. 5: replicas at B*, with and without MPS", "",
-             f"k of the replicas through the gateway, k x B* = k x {b_star} requests in flight; \"straight\": "
-             f"the same k replicas with no gateway, each driven by its own client process at B* (the gap between "
-             f"the two is the gateway's cost). Paper: two "
+             f"k of the replicas at B* = {b_star} each, driven three ways: through the gateway by `planner "
+             "validate`'s one client process (k x B* in flight; its rule makes the decision below), through the "
+             "gateway by k client processes at B* each, and straight, one client process per replica. The last "
+             "two use the same clients, so their gap is the gateway's cost. Tokens/s over the steady part of each "
+             "run (all requests in flight, the fill and the drain left out) where it was recorded. Paper: two "
              "replicas of OPT-1.3B at batch 256 gave +35% tokens/s over one instance (H100 64 GB, vLLM 0.5.2).", "",
              counts_table, "",
              f"- without MPS: {counts_facts['decisions']['plain'] or '-'}",
              f"- with MPS: {counts_facts['decisions']['mps'] or counts_facts['mps_unavailable'] or '-'}", "",
-             *(["CPU cores used while each count ran (CPU seconds over wall seconds; a vLLM API server near 1.0 is "
-                "the replica's limit, as is a gateway near its worker count):", "", cpu, ""] if cpu else []),
+             *(["CPU cores used while each count ran (CPU seconds over wall seconds; a process near 1.0 core per "
+                "process is a limit: a client, a vLLM API server; a gateway near its worker count):", "", cpu, ""]
+               if cpu else []),
              "## Figs. 4, 6, 7: routing under Poisson arrivals, GPU activity", "",
              "The single instance at its best batch cap (the gateway holds the rest) against all replicas with "
              "each routing policy, at the same offered rates (fractions of the single instance's capacity).", "",

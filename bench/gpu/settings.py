@@ -26,7 +26,7 @@ class Settings:
     batch_sizes: tuple[int, ...] = (1, 16, 64, 128, 256, 512)
     input_tokens: int = 256
     output_tokens: int = 128
-    waves: float = 2.0  # requests per point = waves x concurrency ...
+    waves: float = 6.0  # requests per point = waves x concurrency (the first round, the fill, is not steady) ...
     min_requests: int = 16  # ... at least this many ...
     point_s: float = 25.0  # ... and at most what the last measured rate serves in this many seconds
     min_replicas: int = 2  # measure at least 1..2 replicas even if the plan keeps one (that is the question)
@@ -36,7 +36,7 @@ class Settings:
     drain_s: float = 60.0
     policies: tuple[str, ...] = ("least_outstanding_tokens", "round_robin")
     gateway_workers: int | None = None  # None: the plan's count (1 for the single instance)
-    direct: bool = True  # also drive 1..N replicas straight, one client process each, no gateway
+    direct: bool = True  # also drive 1..N replicas with one client process each, straight and through the gateway
     mps: bool = True
     min_gain: float = 0.05
     startup_timeout_s: float = 600.0
@@ -122,7 +122,7 @@ def budget(settings: Settings, replicas: int | None = None) -> list[StepBudget]:
     n = replicas or settings.max_replicas
     rate_s = settings.rate_duration_s + 15.0  # Locust's start and the drain of the last requests
     frontier = sum(min(settings.point_s, 4.0 + 0.03 * b) + 3.0 for b in settings.batch_sizes)
-    counts = n * (settings.point_s * 0.6 + 5.0) * (2 if settings.direct else 1)
+    counts = n * (settings.point_s * 0.6 + 5.0) * (3 if settings.direct else 1)
     routing = len(settings.policies) * len(settings.loads) * rate_s
     steps = [
         StepBudget("frontier", 1, frontier + len(settings.loads) * rate_s,
@@ -132,7 +132,8 @@ def budget(settings: Settings, replicas: int | None = None) -> list[StepBudget]:
         StepBudget("plan", 0, 1.0, "planner plan on the frontier: B*, replicas, memory each"),
         StepBudget("replicas", n, counts + routing,
                    f"{n} replicas at B*: 1..{n} of them through the gateway in closed loop (Fig. 5, no MPS)"
-                   + (", and driven straight, one client each; " if settings.direct else "; ") +
+                   + (", and by one client process per replica, through the gateway and straight; "
+                      if settings.direct else "; ") +
                    f"then {' and '.join(settings.policies)} at {len(settings.loads)} Poisson rate(s) "
                    f"of {settings.rate_duration_s:g} s (Figs. 4, 6, 7)"),
     ]

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import resource
 import shutil
 import subprocess
 import sys
@@ -43,7 +44,7 @@ from planner.profiler import ProfileConfig, Profiler
 from planner.servers import RunningServer
 from planner.sources import load_profile, point_path, read_point
 from planner.stats import RunSummary
-from planner.validate import CountResult, ValidateConfig, Validator, best_count, explain_best
+from planner.validate import CountResult, ValidateConfig, Validator, best_count, explain_best, sub_plan
 from planner.workload import FixedLengths, WorkloadSource, prompt_builder
 
 logger = logging.getLogger(__name__)
@@ -259,9 +260,10 @@ def replica_counts(ctx: Context, mps: bool) -> None:
     n, b_star = len(planned.replicas), b_star_of(planned)
     counts = [k for k in range(1, n + 1) if not ctx.store.has(step, f"k{k}")]
     direct = [k for k in range(1, n + 1) if s.direct and not ctx.store.has(step, f"direct-k{k}")]
+    through = [k for k in range(1, n + 1) if s.direct and not ctx.store.has(step, f"gateway-k{k}")]
     routes = [] if mps else [(p, x) for p in s.policies for x in s.loads
                              if not ctx.store.has("routing", routing_name(p, x))]
-    if not counts and not direct and not routes:
+    if not counts and not direct and not through and not routes:
         ctx.log(f"{step}: every point is measured already")
         decide(ctx, step)
         return
@@ -292,6 +294,8 @@ def replica_counts(ctx: Context, mps: bool) -> None:
                                           "cpu_cores": deployer.last_cpu,
                                           "startup_s": running.startup_s,
                                           "elapsed_s": round(time.monotonic() - started, 1)})
+        for k in through:
+            gateway_clients_count(ctx, step, deployer, resolved, k, model, b_star, one.req_s)
         for k in direct:
             direct_count(ctx, step, running.urls[:k], running.pids[:k], model, b_star, one.req_s)
         capacity = best.req_s or 0.0
@@ -304,56 +308,112 @@ def replica_counts(ctx: Context, mps: bool) -> None:
     decide(ctx, step)
 
 
+def client_argv(settings: Settings, model: ResolvedModel, b_star: int, n_requests: int) -> list[str]:
+    """`planner profile --url` at B*: the client process the benchmark drives replicas and gateways with."""
+    argv = [sys.executable, "-m", "planner.cli", "profile", "--batch-sizes", str(b_star), "--num-requests",
+            str(n_requests), "--input-tokens", str(settings.input_tokens), "--output-tokens",
+            str(settings.output_tokens), "--served-model-name", served_name(model), "--warmup",
+            str(settings.warmup_requests), "--request-timeout", str(settings.request_timeout_s),
+            "--metrics-interval", "0.5"]
+    tokenizer = tokenizer_of(model)
+    return [*argv, "--tokenizer", tokenizer] if tokenizer else argv
+
+
+def children_cpu_s() -> float:
+    """CPU seconds of this process's children that have ended and been waited for (and of theirs)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def drive(run: Path, urls: Sequence[str], argv: Sequence[str], b_star: int,
+          limit_s: float) -> tuple[list[ProfilePoint], float]:
+    """One client process per URL (a URL may repeat: several clients of one gateway), all at once; each
+    client's point, and the cores the clients used together (their CPU seconds, read when they have been
+    waited for, over the wall time)."""
+    started, cpu_before = time.monotonic(), children_cpu_s()
+    with contextlib.ExitStack() as stack:
+        procs = []
+        for i, url in enumerate(urls):
+            out = run / f"r{i}"
+            shutil.rmtree(out, ignore_errors=True)
+            out.mkdir(parents=True)
+            log = stack.enter_context(open(out / "client.log", "w"))
+            procs.append(subprocess.Popen([*argv, "--url", url, "--out", str(out)], stdout=log,
+                                          stderr=subprocess.STDOUT))
+            stack.callback(_end, procs[-1])  # on any way out (a failure, a timeout, Ctrl-C): none left running
+        for i, proc in enumerate(procs):
+            code = proc.wait(timeout=max(1.0, limit_s - (time.monotonic() - started)))
+            if code != 0:
+                raise RuntimeError(f"client {i} exited with code {code}; see {run / f'r{i}'}")
+    cores = (children_cpu_s() - cpu_before) / max(time.monotonic() - started, 1e-9)
+    return [read_point(point_path(run / f"r{i}", b_star))[1] for i in range(len(urls))], round(cores, 2)
+
+
+def pooled(points: Sequence[ProfilePoint]) -> dict[str, Any]:
+    """Clients run side by side as one measurement: every client's tokens over the longest run (a client that
+    finishes early counts as idle), and the sum of their steady rates (None if one has none)."""
+    longest = max(p.duration_s or 0.0 for p in points)
+    total = sum(p.total_tok_s * (p.duration_s or 0.0) for p in points) / longest if longest else 0.0
+    steady = [p.steady_tok_s for p in points]
+    return {"total_tok_s": round(total, 1),
+            "steady_tok_s": round(sum(steady), 1) if all(x is not None for x in steady) else None,  # type: ignore[misc]
+            "per_client_tok_s": [p.total_tok_s for p in points], "duration_s": [p.duration_s for p in points],
+            "steady_s": [p.steady_s for p in points], "preemptions": [p.preemptions for p in points],
+            "failed": [p.failed_requests for p in points]}
+
+
 def direct_count(ctx: Context, step: str, urls: Sequence[str], pids: list[int], model: ResolvedModel,
                  b_star: int, req_s: float | None) -> None:
     """`len(urls)` replicas driven straight, each by its own `planner profile --url` process at B* (no gateway,
-    no shared client): what the GPU gives apart from the gateway's cost, as the papers measured it. The pair's
-    throughput is every replica's tokens over the longest run (a replica that finishes early counts as idle)."""
+    no shared client): what the GPU gives apart from the gateway's cost, as the papers measured it."""
     s, k = ctx.settings, len(urls)
-    run = ctx.out / "run" / step / f"direct-k{k}"
     n_requests = s.requests_for(b_star, req_s)
     ctx.log(f"{k} replica(s) straight: {n_requests} requests each, {b_star} at a time, one client per replica")
-    argv = [sys.executable, "-m", "planner.cli", "profile", "--batch-sizes", str(b_star), "--num-requests",
-            str(n_requests), "--input-tokens", str(s.input_tokens), "--output-tokens", str(s.output_tokens),
-            "--served-model-name", served_name(model), "--warmup", str(s.warmup_requests),
-            "--request-timeout", str(s.request_timeout_s), "--metrics-interval", "0.5"]
-    tokenizer = tokenizer_of(model)
-    if tokenizer:
-        argv += ["--tokenizer", tokenizer]
     started = time.monotonic()
     meter = cpu_meter(pids)
     meter.start()
     if ctx.sampler is not None:
         ctx.sampler.start()
     try:
-        with contextlib.ExitStack() as stack:
-            procs = []
-            for i, url in enumerate(urls):
-                out = run / f"r{i}"
-                shutil.rmtree(out, ignore_errors=True)
-                out.mkdir(parents=True)
-                log = stack.enter_context(open(out / "client.log", "w"))
-                procs.append(subprocess.Popen([*argv, "--url", url, "--out", str(out)], stdout=log,
-                                              stderr=subprocess.STDOUT))
-                stack.callback(_end, procs[-1])  # on any way out (a failure, a timeout, Ctrl-C): none left running
-            limit = s.request_timeout_s + 60.0
-            for i, proc in enumerate(procs):
-                code = proc.wait(timeout=max(1.0, limit - (time.monotonic() - started)))
-                if code != 0:
-                    raise RuntimeError(f"the client of replica {i} exited with code {code}; see {run / f'r{i}'}")
+        points, client = drive(ctx.out / "run" / step / f"direct-k{k}", urls,
+                               client_argv(s, model, b_star, n_requests), b_star, s.request_timeout_s + 60.0)
     finally:
         gpu = ctx.sampler.stop() if ctx.sampler is not None else None
         cpu = meter.stop()
-    points = [read_point(point_path(run / f"r{i}", b_star))[1] for i in range(k)]
-    longest = max(p.duration_s or 0.0 for p in points)
-    total = sum(p.total_tok_s * (p.duration_s or 0.0) for p in points) / longest if longest else 0.0
+    result = pooled(points)
     ctx.store.put(step, f"direct-k{k}", {
-        "replicas": k, "batch_size": b_star, "requests_each": n_requests, "total_tok_s": round(total, 1),
-        "per_replica_tok_s": [p.total_tok_s for p in points], "duration_s": [p.duration_s for p in points],
-        "preemptions": [p.preemptions for p in points], "failed": [p.failed_requests for p in points],
-        "gpu": asdict(gpu) if gpu else None, "cpu_cores": cpu, "elapsed_s": round(time.monotonic() - started, 1)})
-    ctx.log(f"{k} replica(s) straight: {total:,.0f} tok/s together "
-            f"({', '.join(f'{p.total_tok_s:,.0f}' for p in points)} each)")
+        "replicas": k, "batch_size": b_star, "requests_each": n_requests, **result,
+        "per_replica_tok_s": result["per_client_tok_s"], "gpu": asdict(gpu) if gpu else None,
+        "cpu_cores": {**cpu, "clients": client}, "elapsed_s": round(time.monotonic() - started, 1)})
+    ctx.log(f"{k} replica(s) straight: {_tok(result)} together "
+            f"({', '.join(f'{p.total_tok_s:,.0f}' for p in points)} each); clients {client:.2f} cores")
+
+
+def gateway_clients_count(ctx: Context, step: str, deployer: SampledDeployer, plan_: Plan, k: int,
+                          model: ResolvedModel, b_star: int, req_s: float | None) -> None:
+    """The first k replicas through the gateway, driven by k client processes at B* each: the same clients as
+    `direct_count`, so the two differ by the gateway alone (`planner validate`'s one client process can itself
+    be the limit on a fast GPU)."""
+    s = ctx.settings
+    n_requests = s.requests_for(b_star, req_s)
+    ctx.log(f"{k} replica(s) through the gateway: {n_requests} requests from each of {k} clients, {b_star} at a time")
+    started = time.monotonic()
+    with deployer.deploy(sub_plan(plan_, k), f"clients-k{k}") as url:
+        points, client = drive(ctx.out / "run" / step / f"gateway-k{k}", [url] * k,
+                               client_argv(s, model, b_star, n_requests), b_star, s.request_timeout_s + 60.0)
+    result = pooled(points)
+    ctx.store.put(step, f"gateway-k{k}", {
+        "replicas": k, "batch_size": b_star, "requests_each": n_requests, **result,
+        "gpu": asdict(deployer.last_gpu) if deployer.last_gpu else None,
+        "cpu_cores": {**(deployer.last_cpu or {}), "clients": client},
+        "elapsed_s": round(time.monotonic() - started, 1)})
+    ctx.log(f"{k} replica(s) through the gateway, {k} clients: {_tok(result)} together; clients {client:.2f} "
+            f"cores, gateway {(deployer.last_cpu or {}).get('gateway', 0.0):.2f}")
+
+
+def _tok(result: dict[str, Any]) -> str:
+    steady = result.get("steady_tok_s")
+    return f"{result['total_tok_s']:,.0f} tok/s" + (f" ({steady:,.0f} steady)" if steady is not None else "")
 
 
 def _end(proc: subprocess.Popen[bytes]) -> None:
