@@ -67,6 +67,8 @@ def _parser() -> argparse.ArgumentParser:
                                                  "(default 0.6,0.9,1.2)")
     p.add_argument("--rate-duration", type=float, dest="rate_duration_s", help="seconds per Poisson run (20)")
     p.add_argument("--point-s", type=float, help="seconds a closed-loop point may take (25)")
+    p.add_argument("--min-point-s", type=float, help="seconds a closed-loop point takes at least, at the last "
+                                                     "measured rate (10)")
     p.add_argument("--waves", type=float, help="rounds of its concurrency a closed-loop point sends at most "
                                                "(default 6: the first, the fill, is left out of the steady rate)")
     p.add_argument("--no-mps", action="store_true", help="skip the MPS step")
@@ -95,7 +97,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
     return with_overrides(base, device=args.device, batch_sizes=args.batch_sizes, input_tokens=args.input_tokens,
                           output_tokens=args.output_tokens, min_replicas=args.min_replicas,
                           max_replicas=args.max_replicas, loads=args.loads, rate_duration_s=args.rate_duration_s,
-                          point_s=args.point_s, waves=args.waves, port=args.port, mps=False if args.no_mps else None,
+                          point_s=args.point_s, min_point_s=args.min_point_s, waves=args.waves, port=args.port, mps=False if args.no_mps else None,
                           direct=False if args.no_direct else None, gateway_workers=args.gateway_workers,
                           vllm_args=tuple(shlex.split(args.vllm_args)) if args.vllm_args else None)
 

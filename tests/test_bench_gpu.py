@@ -24,13 +24,14 @@ from planner.validate import CountResult
 
 
 def test_requests_are_sized_by_waves_and_by_the_time_a_point_may_take() -> None:
-    """Six waves of the concurrency (the first is the fill, left out of the steady rate), at least min_requests,
-    at most what the last rate serves in point_s, and never less than one wave."""
+    """Six waves of the concurrency (the first is the fill, left out of the steady rate), at least min_requests
+    and what the last rate serves in min_point_s, at most what it serves in point_s, never less than one wave."""
     s = gpu_preset("synthetic:opt-1.3b", Path("/tmp/x"))
     assert s.requests_for(1, None) == 16 and s.requests_for(256, None) == 1536
     assert s.requests_for(256, 10.0) == 256  # 10 req/s x 25 s = 250 < one wave: one wave
     assert s.requests_for(256, 15.0) == 375
-    assert s.requests_for(64, 1000.0) == 384
+    assert s.requests_for(16, 40.0) == 400  # six waves are 96, gone in 2.4 s: 10 s at 40 req/s instead
+    assert s.requests_for(64, 1000.0) == 10_000
 
 
 def test_the_gpu_budget_fits_the_window_and_dry_run_says_so(capsys: pytest.CaptureFixture[str],

