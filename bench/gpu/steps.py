@@ -354,9 +354,9 @@ def pooled(points: Sequence[ProfilePoint]) -> dict[str, Any]:
     finishes early counts as idle), and the sum of their steady rates (None if one has none)."""
     longest = max(p.duration_s or 0.0 for p in points)
     total = sum(p.total_tok_s * (p.duration_s or 0.0) for p in points) / longest if longest else 0.0
-    steady = [p.steady_tok_s for p in points]
+    steady = [p.steady_tok_s for p in points if p.steady_tok_s is not None]
     return {"total_tok_s": round(total, 1),
-            "steady_tok_s": round(sum(steady), 1) if all(x is not None for x in steady) else None,  # type: ignore[misc]
+            "steady_tok_s": round(sum(steady), 1) if len(steady) == len(points) else None,
             "per_client_tok_s": [p.total_tok_s for p in points], "duration_s": [p.duration_s for p in points],
             "steady_s": [p.steady_s for p in points], "preemptions": [p.preemptions for p in points],
             "failed": [p.failed_requests for p in points]}
