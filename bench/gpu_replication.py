@@ -97,7 +97,8 @@ def settings_from(args: argparse.Namespace) -> Settings:
     return with_overrides(base, device=args.device, batch_sizes=args.batch_sizes, input_tokens=args.input_tokens,
                           output_tokens=args.output_tokens, min_replicas=args.min_replicas,
                           max_replicas=args.max_replicas, loads=args.loads, rate_duration_s=args.rate_duration_s,
-                          point_s=args.point_s, min_point_s=args.min_point_s, waves=args.waves, port=args.port, mps=False if args.no_mps else None,
+                          point_s=args.point_s, min_point_s=args.min_point_s, waves=args.waves, port=args.port,
+                          mps=False if args.no_mps else None,
                           direct=False if args.no_direct else None, gateway_workers=args.gateway_workers,
                           vllm_args=tuple(shlex.split(args.vllm_args)) if args.vllm_args else None)
 

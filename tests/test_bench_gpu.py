@@ -74,7 +74,8 @@ def stored(tmp_path: Path) -> tuple[Settings, Store]:
                              gpu_name="NVIDIA H100 80GB HBM3", gpu_memory_total_bytes=80 * 2**30)
     for b, tok in ((64, 8000.0), (256, 11000.0)):
         write_point(tmp_path / "frontier", context, ProfilePoint(
-            batch_size=b, total_tok_s=tok, req_s=tok / 384, steady_tok_s=tok + 500 if b == 256 else None, tpot_ms=Latency(mean=b / 10, p50=b / 10, p99=b / 5),
+            batch_size=b, total_tok_s=tok, req_s=tok / 384, steady_tok_s=tok + 500 if b == 256 else None,
+            tpot_ms=Latency(mean=b / 10, p50=b / 10, p99=b / 5),
             ttft_ms=Latency(mean=50.0, p50=40.0, p99=90.0), preemptions=0,
             gpu=GpuSummary(**gpu(90.0, 40.0 + b / 10))))  # type: ignore[arg-type]
     replicas = tuple(ReplicaSpec(f"r{i}", s.model, 18001 + i, max_num_seqs=256, gpu_memory_utilization=0.45,

@@ -126,14 +126,15 @@ def frontier_section(points: Sequence[ProfilePoint]) -> tuple[str, dict[str, Any
     for p in sorted(points, key=lambda q: q.batch_size):
         r = ref.get(p.batch_size)
         gpu = {} if p.gpu is None else p.gpu.__dict__
-        rows.append([p.batch_size, f"{p.total_tok_s:,.0f}", "-" if p.steady_tok_s is None else f"{p.steady_tok_s:,.0f}",
-                     f"{p.tpot_ms.mean or 0:.1f}", f"{p.ttft_ms.p50 or 0:.0f}",
+        steady = "-" if p.steady_tok_s is None else f"{p.steady_tok_s:,.0f}"
+        rows.append([p.batch_size, f"{p.total_tok_s:,.0f}", steady, f"{p.tpot_ms.mean or 0:.1f}",
+                     f"{p.ttft_ms.p50 or 0:.0f}",
                      p.preemptions if p.preemptions is not None else "-", _gpu_cell(gpu, "utilization_mean_pct", "%"),
                      _gpu_cell(gpu, "sm_active_mean_pct", "%"), _gpu_cell(gpu, "power_mean_w", " W"),
                      f"{r.total_tok_s:,.0f}" if r else "-", f"{r.tpot_ms.mean:.1f}" if r and r.tpot_ms.mean else "-"])
     best = max(points, key=lambda q: q.total_tok_s)
-    text = markdown_table(["B", "tok/s", "steady tok/s", "mean TPOT ms", "TTFT p50 ms", "preempt.", "GPU util", "SM active",
-                           "power", "paper tok/s", "paper TPOT ms"], rows)
+    text = markdown_table(["B", "tok/s", "steady tok/s", "mean TPOT ms", "TTFT p50 ms", "preempt.", "GPU util",
+                           "SM active", "power", "paper tok/s", "paper TPOT ms"], rows)
     return text, {"best_batch": best.batch_size, "best_tok_s": best.total_tok_s}
 
 

