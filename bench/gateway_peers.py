@@ -14,7 +14,14 @@ pinned alone to the last core (`taskset`). For each gateway, in rounds that go t
   - CPU per SSE event, 5 ms apart: streams of 64 events paced like tokens, 64 connections.
 Medians over rounds; every figure also as a ratio to the vLLM router's in the same run.
 
-    python -m bench.gateway_peers [--install] [--rounds 3] [--seconds 5] [--baseline REV] [--save]
+--paired loads each gateway at the same time as the vLLM router in the paced column, both pinned to the gateway
+core, each with its own wrk: a round's ratio then sees one machine state. Between sequential rounds this VM's CPU
+per paced event moved by 10-30%; two copies of this gateway loaded together agreed within about 1% (5 rounds, A/A).
+Only the paced load is paired: it leaves the core half idle, where the saturating columns (wrk as fast as it can)
+would make the two gateways share one full core and change what each spends per request (measured: this gateway's
+ratio per request 0.40x paired against 0.23x alone).
+
+    python -m bench.gateway_peers [--install] [--rounds 3] [--seconds 5] [--baseline REV] [--paired] [--save]
 
 --baseline REV adds this gateway as it was at git revision REV, from a temporary worktree: a change's A/B on the
 same rig in the same run.
@@ -35,6 +42,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -214,25 +222,52 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             process = stack.enter_context(started(pinned(gateway.argv(port, replicas, workdir), gateway_core), url,
                                                   workdir / f"{gateway.name.replace(' ', '-')}.log"))
             running[gateway.name] = (url, process)
+        paired: dict[str, dict[str, list[float]]] = {}
+        if args.paired and REFERENCE not in running:
+            raise RuntimeError(f"--paired needs the {REFERENCE} (--install)")
         for r in range(args.rounds):
             order = list(running.items())[::-1 if r % 2 else 1]
             for scenario, (body, connections, units, stretch) in SCENARIOS.items():
                 if scenario not in columns:
                     continue
+                if args.paired and "bench_itl_ms" in body:  # each gateway beside the reference: a ratio per round
+                    for name, (url, process) in order:
+                        if name == REFERENCE:
+                            continue
+                        mine, theirs = cpu_per_unit_together(
+                            [(name, url, process), (REFERENCE, *running[REFERENCE])], scenario, body, connections, units,
+                            args.seconds * stretch, load_cores)
+                        figures.setdefault(scenario, {}).setdefault(name, []).append(mine)
+                        figures[scenario].setdefault(REFERENCE, []).append(theirs)
+                        paired.setdefault(scenario, {}).setdefault(name, []).append(mine / theirs)
+                    continue
                 for name, (url, process) in order:
-                    before = cpu_s(process)
-                    result = wrk(url, {**body}, connections, args.seconds * stretch, auth=KEY, cores=load_cores)
-                    if result.errors or not result.requests:
-                        raise RuntimeError(f"{scenario} via {name}: {result.errors} errors in {result.requests} "
-                                           "requests")
-                    figures.setdefault(scenario, {}).setdefault(name, []).append(
-                        (cpu_s(process) - before) / (result.requests * units) * 1e6)
+                    figures.setdefault(scenario, {}).setdefault(name, []).append(cpu_per_unit_together(
+                        [(name, url, process)], scenario, body, connections, units, args.seconds * stretch,
+                        load_cores)[0])
             for name, url in [("direct", replicas[0]), *((n, u) for n, (u, _) in order)] if P50 in columns else []:
                 lat = asyncio.run(fixed_rate(url, 100, args.seconds * 2, headers={"Authorization": f"Bearer {KEY}"}))
                 figures.setdefault(P50, {}).setdefault(name, []).append(pct(lat, 50) * 1e6)
             print(f"round {r + 1}/{args.rounds} done", file=sys.stderr)
     return {"rounds": args.rounds, "seconds": args.seconds, "load_cores": load_cores, "gateway_core": gateway_core,
-            "figures": figures, "command": " ".join(["python -m bench.gateway_peers", *sys.argv[1:]])}
+            "figures": figures, "paired": paired,
+            "command": " ".join(["python -m bench.gateway_peers", *sys.argv[1:]])}
+
+
+def cpu_per_unit_together(gateways: list[tuple[str, str, subprocess.Popen[bytes]]], scenario: str,
+                          body: dict[str, Any], connections: int, units: int, seconds: float,
+                          load_cores: list[int]) -> list[float]:
+    """CPU us per unit of each gateway (name, url, process), all loaded by their own wrk over the same seconds."""
+    before = [cpu_s(process) for _, _, process in gateways]
+    with ThreadPoolExecutor(len(gateways)) as pool:
+        results = list(pool.map(lambda g: wrk(g[1], {**body}, connections, seconds, auth=KEY, cores=load_cores),
+                                gateways))
+    figures = []
+    for (name, _, process), start, result in zip(gateways, before, results):
+        if result.errors or not result.requests:
+            raise RuntimeError(f"{scenario} via {name}: {result.errors} errors in {result.requests} requests")
+        figures.append((cpu_s(process) - start) / (result.requests * units) * 1e6)
+    return figures
 
 
 def report(result: dict[str, Any]) -> str:
@@ -240,11 +275,16 @@ def report(result: dict[str, Any]) -> str:
     columns = [c for c in (*SCENARIOS, P50) if c in figures]
     names = [n for n in figures[columns[0]] if n != "direct"]
     rows = []
+    paired = result.get("paired", {})
     for name in names:
         row: list[object] = [name]
         for column in columns:
             value, reference = (statistics.median(figures[column][n]) for n in (name, REFERENCE))
-            row.append(f"{value:.1f} ({value / reference:.2f}x)")
+            ratios = paired.get(column, {}).get(name)
+            if ratios:  # measured at the same time as the reference: the median of the rounds' own ratios
+                row.append(f"{value:.1f} ({statistics.median(ratios):.2f}x, {min(ratios):.2f}-{max(ratios):.2f})")
+            else:
+                row.append(f"{value:.1f} ({value / reference:.2f}x)")
         rows.append(row)
     direct = statistics.median(figures[P50]["direct"]) if P50 in figures else float("nan")
     return "\n".join([
@@ -252,7 +292,9 @@ def report(result: dict[str, Any]) -> str:
         f"`{result['command']}`: two fast fake "
         f"replicas and the load on cores {result['load_cores']}, each gateway alone on core "
         f"{result['gateway_core']}; medians of {result['rounds']} interleaved rounds, ratios to the {REFERENCE}. "
-        f"Direct to a replica, p50 at 100 req/s: {direct:.0f} us.", "",
+        + (f"Paced column paired: each gateway loaded at the same time as the {REFERENCE}, both on that core, its "
+           "ratio the median of the rounds' own ratios (their range after it). " if paired else "")
+        + f"Direct to a replica, p50 at 100 req/s: {direct:.0f} us.", "",
         markdown_table(["gateway", *columns], rows)])
 
 
@@ -266,6 +308,10 @@ def main() -> None:
                         help="measure only this column (repeatable): a longer A/B of one figure")
     parser.add_argument("--peers", choices=("all", "reference"), default="all",
                         help="reference: the vLLM router and this gateway only")
+    parser.add_argument("--paired", action="store_true",
+                        help="paced column: load each gateway at the same time as the vLLM router (both on the "
+                        "gateway core), so that a round's ratio sees one machine state; two runs of one gateway agree "
+                        "within about 1%% this way, against 10-30%% between sequential rounds")
     parser.add_argument("--save", action="store_true", help="write docs/bench/gateway_overhead.md and "
                         "docs/bench/gateway_peers.json")
     args = parser.parse_args()

@@ -76,7 +76,7 @@ class _Connection(asyncio.Protocol):
         self.idle_since = 0.0
         self._waiter: asyncio.Future[None] | None = None
         # Takes body parts as they arrive, in the protocol's callback, while nothing is queued (UpstreamResponse.splice)
-        self.sink: Callable[[bytes], bool] | None = None
+        self.sink: Callable[[bytes, int], bool] | None = None
         self._gathered: list[bytes] | None = None  # body parts of one read, offered to the sink as one
         self._framed = False  # the answer has a length or chunked encoding (else it ends with the connection)
         self._head_only = False  # the request is HEAD: its answer ends with its head
@@ -106,7 +106,10 @@ class _Connection(asyncio.Protocol):
             error = exc
         self._gathered = None
         if gathered:
-            self._deliver(gathered[0] if len(gathered) == 1 else b"".join(gathered))
+            body = gathered[0] if len(gathered) == 1 else b"".join(gathered)
+            sink = self.sink  # as _deliver does, spelled out here: this runs once per streamed token
+            if sink is None or self.chunks or not sink(body, len(gathered)):
+                self._queue(body)
         if error is not None:
             self._fail(ConnectionError(f"malformed HTTP from the replica: {error}"))
             self.close()
@@ -148,8 +151,12 @@ class _Connection(asyncio.Protocol):
             self._deliver(body)
 
     def _deliver(self, body: bytes) -> None:
-        if self.sink is not None and not self.chunks and self.sink(body):
+        if self.sink is not None and not self.chunks and self.sink(body, 1):
             return  # relayed already: no task to wake
+        self._queue(body)
+
+    def _queue(self, body: bytes) -> None:
+        """For `readany`, which the sink left it to."""
         self.chunks.append(body)
         self.buffered += len(body)
         if self.buffered > _PAUSE_AT and not self.paused and self.transport is not None:
@@ -236,8 +243,11 @@ class UpstreamResponse:
         """The next part of the body that has arrived; b"" at its end."""
         return await self._conn.next_chunk()
 
-    def splice(self, sink: Callable[[bytes], bool] | None) -> None:
+    def splice(self, sink: Callable[[bytes, int], bool] | None) -> None:
         """From now on offer each part of the body to `sink` as it arrives, before any `readany` (None: stop).
+
+        A part is what one read brought, its chunks joined; the sink is told how many chunks (a replica streaming
+        server-sent events writes one event a chunk, so this counts them without searching the bytes).
 
         A part the sink takes (it returns True) is never seen by `readany`; one it declines is queued, and later parts
         are queued behind it until `readany` has taken them all, so the order holds. A streamed answer's parts then

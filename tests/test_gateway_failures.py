@@ -130,6 +130,41 @@ async def test_stall_mid_stream_hits_the_idle_timeout(fake_replica: FakeFactory,
     assert not replica.healthy and replica.outstanding == 0 and replica.inflight == 0
 
 
+async def test_slow_steady_stream_is_not_taken_for_a_stall(fake_replica: FakeFactory,
+                                                           gateway_for: GatewayFactory) -> None:
+    """Tokens 0.12 s apart under an idle timeout of 0.2 s, for six times that timeout: the stream is never cut.
+
+    Tokens relayed from the replica connection's callback are seen by the watchdog's tick (`_Watch.moved`), not
+    timed one by one; this is the case where that could go wrong: every gap is more than half the limit.
+    """
+    fake = await fake_replica(itl_s=0.12)
+    gw = await gateway_for([fake.url], timeouts={"connect_s": 1, "first_byte_s": 5, "idle_s": 0.2})
+    async with aiohttp.ClientSession() as session:
+        async with session.post(gw.base_url + "/completions", json={**BODY, "max_tokens": 11, "stream": True}) as resp:
+            text = await asyncio.wait_for(resp.text(), timeout=10)
+    events = [e for e in text.split("\n\n") if e]
+    assert "error" not in text and len(events) == 12 and events[-1] == "data: [DONE]", text
+    replica = gw.gateway.router.replicas[fake.url]
+    assert replica.healthy and replica.outstanding == 0 and replica.inflight == 0
+
+
+async def test_streamed_tokens_count_down_the_load_while_the_stream_runs(fake_replica: FakeFactory,
+                                                                        gateway_for: GatewayFactory) -> None:
+    """A long stream's output budget comes back as its tokens are relayed (eight at a time), not only at its end."""
+    fake = await fake_replica(itl_s=0.01)
+    gw = await gateway_for([fake.url])
+    replica = gw.gateway.router.replicas[fake.url]
+    async with aiohttp.ClientSession() as session:
+        async with session.post(gw.base_url + "/completions",
+                                json={**BODY, "max_tokens": 1000, "stream": True}) as resp:
+            seen = b""
+            while seen.count(b"data:") < 40:
+                seen += await resp.content.readany()
+            assert 0 < replica.outstanding <= 1000 - 40 + 8  # counted down to within one batch of what came
+            await resp.read()
+    assert replica.outstanding == 0 and replica.inflight == 0
+
+
 async def test_client_disconnect_aborts_upstream_and_releases_tokens(fake_replica: FakeFactory,
                                                                      gateway_for: GatewayFactory) -> None:
     """A client that goes away mid-stream closes the upstream request at once and frees its tokens."""
