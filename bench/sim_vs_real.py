@@ -54,6 +54,7 @@ import numpy as np
 import yaml
 
 from .common import figure_path, markdown_table, pyplot, save
+from .sim_vs_real_ranking import ranking_lines
 
 POLICIES = ("prefix_affinity", "least_outstanding_tokens", "least_requests", "round_robin")
 CHAT_POLICIES = ("prefix_affinity", "consistent_hash", "least_outstanding_tokens", "round_robin")
@@ -536,6 +537,7 @@ def report(out: Path, meta: dict[str, Any]) -> str:
     lines += repeatability(rows)
     for side_name in (n for n in CALIBRATIONS.values() if n in table):
         lines += versus(real, table[side_name], side_name)
+        lines += ranking_lines(rows, side_name)
     lines += ["## The default on real replicas (p99 TTFT, ms, pooled over seeds)", ""]
     judged = []
     for point, by in real.items():

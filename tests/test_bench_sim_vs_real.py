@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from bench.sim_vs_real import REPEAT, Run, Setup, done_runs, repeatability, report
+from bench.sim_vs_real_ranking import ranking_lines
 
 
 def setup(repeats: int) -> Setup:
@@ -63,3 +64,27 @@ def test_a_negative_repeat_count_is_a_usage_error(capsys: pytest.CaptureFixture[
     with pytest.raises(SystemExit) as exc:
         main(["--repeats", "-1", "--dry-run"])
     assert exc.value.code == 2 and "--repeats must be >= 0, got -1" in capsys.readouterr().err
+
+
+def _run(side: str, policy: str, seed: int, ttft_ms: float) -> dict[str, object]:
+    return {"side": side, "workload": "mix", "arrival": "poisson", "load": 0.8, "policy": policy, "seed": seed,
+            "ttft_s": [ttft_ms / 1000] * 10}
+
+
+def test_ranking_counts_the_pairs_every_real_seed_orders_alike_and_the_simulators_agreement() -> None:
+    """Real: a < b and a < c in every seed, b against c flips. Simulated: a < b, but c < a. So 2 pairs are
+    decided, and the simulator agrees on 1 of them; no two seeds rank all three alike."""
+    real = {"a": [10, 11, 12], "b": [20, 21, 22], "c": [30, 15, 40]}
+    rows = [_run("real", p, seed, ms[seed]) for p, ms in real.items() for seed in range(3)]
+    rows += [_run("sim", p, seed, ms) for p, ms in {"a": 10, "b": 20, "c": 5}.items() for seed in range(3)]
+    text = "\n".join(ranking_lines(rows, "sim"))
+    row = next(line for line in text.splitlines() if line.startswith("| mix/poisson/0.8"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[1:6] == ["3", "1 of 3", "0.78", "2 of 3", "1 of 2"]  # seeds 0 and 2 rank a, b, c alike
+    assert "orders 1 of the 2 decided pairs" in text and "probability 0.25" in text
+
+
+def test_ranking_needs_two_seeds_and_the_simulated_side() -> None:
+    rows = [_run("real", p, 0, ms) for p, ms in {"a": 10, "b": 20}.items()]
+    assert ranking_lines(rows + [_run("sim", "a", 0, 1), _run("sim", "b", 0, 2)], "sim") == []  # one seed
+    assert ranking_lines(rows, "sim") == []  # no simulated side

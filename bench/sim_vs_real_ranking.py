@@ -1,0 +1,89 @@
+"""Whether the real side ranks the policies the same way twice, and where it does, whether the simulator agrees.
+
+The issue's ranking goal compares one ordering of the policies (by pooled p99 TTFT) on each side. That ordering is
+only worth matching where the real side itself repeats it. Here each seed of a point is a run of its own, so:
+
+- **seed against seed**: how often two seeds of the real side give the same full ranking, and the share of policy
+  pairs that two seeds order the same way (1.0: always; 0.5: a coin);
+- **decided pairs**: the policy pairs that every seed of the real side orders the same way. With k seeds a pair
+  that is a coin toss still looks decided with probability 2^(1-k) (a quarter with 3 seeds);
+- **the simulator on them**: of the decided pairs, how many the simulator's pooled figures order the same way.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from .common import markdown_table
+
+
+def _p99_by_seed(rows: Sequence[dict[str, Any]], side: str) -> dict[str, dict[str, dict[int, float]]]:
+    """point -> policy -> seed -> p99 TTFT (s) of that one run; single-turn points only."""
+    out: dict[str, dict[str, dict[int, float]]] = {}
+    for r in rows:
+        if r["side"] == side and r["workload"] != "chat" and r["ttft_s"]:
+            point = f"{r['workload']}/{r['arrival']}/{r['load']:g}"
+            out.setdefault(point, {}).setdefault(r["policy"], {})[r["seed"]] = float(np.percentile(r["ttft_s"], 99))
+    return out
+
+
+def _pooled_p99(rows: Sequence[dict[str, Any]], side: str) -> dict[str, dict[str, float]]:
+    pooled: dict[str, dict[str, list[float]]] = {}
+    for r in rows:
+        if r["side"] == side and r["workload"] != "chat":
+            point = f"{r['workload']}/{r['arrival']}/{r['load']:g}"
+            pooled.setdefault(point, {}).setdefault(r["policy"], []).extend(r["ttft_s"])
+    return {pt: {p: float(np.percentile(v, 99)) for p, v in by.items() if v} for pt, by in pooled.items()}
+
+
+def _order(a: float, b: float) -> int:
+    return int(np.sign(a - b))
+
+
+def ranking_lines(rows: Sequence[dict[str, Any]], sim_side: str) -> list[str]:
+    """The report's section for one simulated side: per point, the real side's own agreement and the simulator's."""
+    real = _p99_by_seed(rows, "real")
+    real_pooled, sim_pooled = _pooled_p99(rows, "real"), _pooled_p99(rows, sim_side)
+    body: list[list[object]] = []
+    decided_all = agreed_all = 0
+    seeds_n = 0  # the fewest seeds of a point in the table
+    for point, by_policy in real.items():
+        if point not in sim_pooled:
+            continue
+        policies = sorted(p for p in by_policy if p in sim_pooled[point])
+        seeds = sorted(set.intersection(*(set(by_policy[p]) for p in policies))) if policies else []
+        if len(policies) < 2 or len(seeds) < 2:
+            continue
+        pairs = list(itertools.combinations(policies, 2))
+        seed_pairs = list(itertools.combinations(seeds, 2))
+        rank = {s: sorted(policies, key=lambda p: by_policy[p][s]) for s in seeds}
+        same_rank = sum(rank[x] == rank[y] for x, y in seed_pairs)
+        concordance = np.mean([np.mean([_order(by_policy[a][x], by_policy[b][x]) == _order(by_policy[a][y],
+                                                                                         by_policy[b][y])
+                                        for a, b in pairs]) for x, y in seed_pairs])
+        decided = [(a, b) for a, b in pairs if len({_order(by_policy[a][s], by_policy[b][s]) for s in seeds}) == 1]
+        sim = sim_pooled[point]
+        agreed = sum(_order(sim[a], sim[b]) == _order(by_policy[a][seeds[0]], by_policy[b][seeds[0]])
+                     for a, b in decided)
+        pooled_same = np.mean([_order(sim[a], sim[b]) == _order(real_pooled[point][a], real_pooled[point][b])
+                               for a, b in pairs])
+        decided_all, agreed_all = decided_all + len(decided), agreed_all + agreed
+        seeds_n = min(seeds_n, len(seeds)) if seeds_n else len(seeds)
+        body.append([point, len(seeds), f"{same_rank} of {len(seed_pairs)}", f"{concordance:.2f}",
+                     f"{len(decided)} of {len(pairs)}", f"{agreed} of {len(decided)}", f"{pooled_same:.2f}"])
+    if not body:
+        return []
+    return [f"## Is the real ranking decided? (`{sim_side}`)", "",
+            "Per point: how often two seeds of the real side rank the policies alike by p99 TTFT (whole ranking, "
+            "and the share of policy pairs two seeds order the same way: 1.00 always, 0.50 a coin); the pairs every "
+            "real seed orders the same way (\"decided\"), and how many of those the simulator's pooled figures "
+            "order the same way; last, the share of all pairs the pooled figures of the two sides order alike.", "",
+            markdown_table(["point", "seeds", "real: same ranking, seed pairs", "real: pairs alike, seed vs seed",
+                            "decided pairs", "sim agrees on decided", "sim vs real pooled, pairs alike"], body), "",
+            f"`{sim_side}` orders {agreed_all} of the {decided_all} decided pairs as the real side does. With "
+            f"{seeds_n} seeds a pair that is a coin toss looks decided with probability {2 ** (1 - seeds_n):.2f}.",
+            ""]
