@@ -29,6 +29,7 @@ from .metrics import Metrics
 from .parsing import other_info, parse
 from .policies import make_policy
 from .proxy import Proxy
+from .settlement import Settlement
 from .ratelimit import TokenRates
 from .replicaset import Follower
 from .router import Router
@@ -137,7 +138,10 @@ class Gateway:
         worker = str(os.getpid()) if self.config.workers > 1 else None
         # here, in the process that serves: the SDK's export thread does not survive a fork
         self.tracing = make_tracing(self.config.tracing, self.config.policy)
-        self.proxy = Proxy(self.config, self.router, self._pool, self.metrics, worker, self.tracing)
+        order = self.router.order if isinstance(self.router.order, PriorityOrder) else None
+        settlement = (Settlement(order, self._rates)
+                      if (order is not None and order.fair) or self._rates is not None else None)
+        self.proxy = Proxy(self.config, self.router, self._pool, self.metrics, worker, self.tracing, settlement)
         self._tasks = [asyncio.create_task(self.follower.run(), name="replica-set-follower"),
                        asyncio.create_task(self._learn_tokenizers(), name="tokenizer-discovery")]
         if self.config.lora.enabled:

@@ -6,8 +6,9 @@ within a priority the tenant that has been served the fewest tokens, as in the V
 "Fairness in Serving Large Language Models" (OSDI 2024):
 
 - every lease a tenant takes (queued or not) adds its cost to the tenant's counter: prompt tokens plus the output
-  budget, the same tokens the gateway reserves on the replica (the gateway cannot know the output in advance; a
-  budget a client does not use is charged as the reservation it was);
+  budget, the same tokens the gateway reserves on the replica (the gateway cannot know the output in advance);
+  when the answer is in, the budget it did not use is given back (all of it for a lease that failed before an
+  answer: gateway/settlement.py), so the counter ends up counting the tokens served;
 - a tenant that starts waiting with nobody of its own queued has its counter lifted to the least counter among
   the tenants waiting (or, with the queue empty, to that of the last tenant to leave it), so a tenant cannot bank
   credit while idle and then take the replicas over.
@@ -153,6 +154,11 @@ class PriorityOrder:
         if self.fair:
             tenant = info.tenant
             self._set(tenant, self.counters.get(tenant, self._last) + info.prompt_tokens + info.max_tokens)
+
+    def refund(self, tenant: str, tokens: int) -> None:
+        """`tokens` charged to `tenant` were not served after all (gateway/settlement.py)."""
+        if self.fair and tokens and tenant in self.counters:
+            self.counters[tenant] -= tokens
 
     def _set(self, tenant: str, value: float) -> None:
         counters = self.counters

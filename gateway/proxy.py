@@ -22,6 +22,7 @@ from .parsing import RequestInfo
 from .replicas import Lease
 from .router import Router
 from .server import Request, Responder, Response
+from .settlement import Settlement, completion_tokens
 from .tracing import PassThrough, RequestTrace, Tracing
 from .upstream import Origin, UpstreamPool, UpstreamResponse
 
@@ -69,8 +70,10 @@ class Proxy:
     """Relays requests to the replicas the router picks."""
 
     def __init__(self, config: GatewayConfig, router: Router, pool: UpstreamPool, metrics: Metrics,
-                 worker: str | None = None, tracing: Tracing | None = None) -> None:
+                 worker: str | None = None, tracing: Tracing | None = None,
+                 settlement: Settlement | None = None) -> None:
         self._config = config
+        self._settlement = settlement  # tenants charged by tokens served (fairness, token rates), else None
         self._tracing = tracing or PassThrough()
         self._worker = worker  # with several workers, answers say which one served them (x-gateway-worker)
         self._router = router
@@ -96,8 +99,15 @@ class Proxy:
         deadline = started + self._config.retry.max_time_s
         tried: frozenset[str] = frozenset()
         attempts = self._config.retry.max_attempts
-        trace = self._tracing.start(request, info)  # a malformed traceparent is a 400 here
+        settlement = self._settlement
+        try:
+            trace = self._tracing.start(request, info)  # a malformed traceparent is a 400 here
+        except GatewayError:
+            if settlement is not None:
+                settlement.request_done(info, None)
+            raise
         status, error = 200, ""
+        served: int | None = None  # output tokens of the replica's answer; None while none came
         try:
             for attempt in range(1, attempts + 1):
                 lease = self._router.lease_now(info, tried) if acquire is None else None
@@ -107,11 +117,14 @@ class Proxy:
                 trace.picked(lease)
                 watch = self._watchdogs.watch(self._config.timeouts.first_byte_s)
                 upstream: UpstreamResponse | None = None
+                answer: bytes | None = None  # set once the answer is being relayed: its first chunk, or whole
+                streams = False
                 try:
                     upstream, first, streams = await self._send(request, lease, info, request_id, watch,
                                                                 trace.attempt(lease, attempt))
                     status = upstream.status
                     trace.first_byte()
+                    answer = first
                     return await self._relay(responder, upstream, first, streams, lease, info, started, watch)
                 except _Retryable as exc:
                     trace.attempt_failed(exc.reason, exc.status)
@@ -126,6 +139,11 @@ class Proxy:
                     lease.release()
                     if upstream is not None:
                         upstream.close()
+                    if settlement is not None:
+                        if answer is not None:
+                            served = _served(status, streams, answer, lease, info)
+                        if lease.charged:
+                            settlement.lease_done(info, served if answer is not None else None)
             raise AssertionError("unreachable: the loop returns or raises")
         except GatewayError as exc:
             status, error = exc.status, exc.message
@@ -135,6 +153,8 @@ class Proxy:
             raise
         finally:
             trace.finish(status, error)
+            if settlement is not None:
+                settlement.request_done(info, served)
 
     def close(self) -> None:
         self._watchdogs.close()
@@ -208,6 +228,8 @@ class Proxy:
             self._metrics.first_token(lease.replica.url, info.model, loop.time() - started)
             lease.first_token()
             if upstream.ended:  # the whole answer came with its head (tokens made back to back): one write
+                if self._settlement is not None:
+                    lease.tokens(data.count(_SSE_EVENT))  # the tokens served, for the tenant's charge
                 lease.all_tokens()
                 try:
                     await responder.send(data, last=True)
@@ -241,6 +263,8 @@ class Proxy:
                 if data:
                     last = not held and upstream.ended
                     if last:  # the whole answer is in: its tokens are back, no need to count them (10 KB: 6 us)
+                        if self._settlement is not None:
+                            lease.tokens(data.count(_SSE_EVENT))  # ... but for the tenant's charge
                         lease.all_tokens()
                     else:
                         lease.tokens(data.count(_SSE_EVENT))
@@ -274,6 +298,17 @@ class Proxy:
             await responder.finish()
         except ConnectionError:
             logger.debug("client went away at the end of a stream from %s", lease.replica.url)
+
+
+def _served(status: int, streams: bool, answer: bytes, lease: Lease, info: RequestInfo) -> int | None:
+    """Output tokens a replica's answer held: a stream's events as counted; a whole answer's `usage` (the whole
+    budget where it has none); None for an error answer (nothing served)."""
+    if streams:
+        return lease.counted
+    if status != 200:
+        return None
+    tokens = completion_tokens(answer)
+    return info.max_tokens if tokens is None else tokens
 
 
 def _whole_events(data: bytes) -> tuple[bytes, bytes]:

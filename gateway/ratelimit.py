@@ -1,7 +1,8 @@
 """Per-tenant token rates: a token bucket per tenant, 429 with Retry-After when a request's tokens are not there.
 
 A request costs its prompt tokens plus its output budget (what the gateway reserves on a replica; OpenAI's and
-LiteLLM's tokens-per-minute limits count the same way). A bucket holds up to `burst` tokens and refills at
+LiteLLM's tokens-per-minute limits count the same way); once its answer is in, the budget it did not use comes
+back, and all of it when no replica answered (gateway/settlement.py). A bucket holds up to `burst` tokens and refills at
 `tokens_per_s`; a request is let through when the bucket holds its cost (or, for a request larger than the burst,
 a full bucket) and may leave it in debt, which later requests wait out. With several gateway workers each holds
 its own buckets, so each worker's rate is the configured one divided by the workers.
@@ -91,3 +92,10 @@ class TokenRates:
                                f"retry in {wait} s", code="rate_limit_exceeded",
                                headers={"Retry-After": str(max(1, wait))})
         bucket.level -= cost
+
+    def refund(self, info: RequestInfo, tokens: int) -> None:
+        """`tokens` of what `take` took for `info` were not served after all (gateway/settlement.py)."""
+        rate = self.rate_of(info.tenant)
+        bucket = self._buckets.get(info.tenant)
+        if rate is not None and bucket is not None and tokens:
+            bucket.level = min(rate.burst, bucket.level + tokens)

@@ -105,7 +105,7 @@ class Replica:
 class Lease:
     """One request's reservation on one replica."""
 
-    __slots__ = ("replica", "_prompt", "_output", "_done", "_on_release")
+    __slots__ = ("replica", "_prompt", "_output", "_done", "_on_release", "counted", "charged")
 
     def __init__(self, replica: Replica, info: RequestInfo, on_release: Callable[[], None]) -> None:
         self.replica = replica
@@ -113,6 +113,8 @@ class Lease:
         self._output = info.max_tokens
         self._done = False
         self._on_release = on_release
+        self.counted = 0  # output tokens `tokens` was told of (beyond the budget too; `all_tokens` counts none)
+        self.charged = False  # its cost was charged to its tenant's virtual token counter (gateway/fairqueue.py)
         cost = self._prompt + self._output
         replica.outstanding += cost
         replica.inflight += 1
@@ -143,6 +145,7 @@ class Lease:
         """`count` output tokens came back; never counts down more than the budget."""
         if self._done:
             return
+        self.counted += count
         done = min(count, self._output)
         if done:
             self._output -= done
@@ -154,7 +157,9 @@ class Lease:
 
     def all_tokens(self) -> None:
         """The replica's answer is complete: what is left of the output budget comes back at once (no counting)."""
+        counted = self.counted
         self.tokens(self._output)
+        self.counted = counted  # what came back was the budget left, not tokens served
 
     def release(self) -> None:
         """The request is over, however it ended. Safe to call more than once."""

@@ -121,9 +121,11 @@ class Router:
         open_ = [r for r in candidates if r.has_room(cost, reserve)]
         if not open_:
             return None
+        lease = Lease(self.model_policies.get(info.model, self.policy).pick(open_, info), info, self.wake)
         if order is not None:
             order.charge(info)
-        return Lease(self.model_policies.get(info.model, self.policy).pick(open_, info), info, self.wake)
+            lease.charged = True
+        return lease
 
     def lease_now(self, info: RequestInfo, exclude: frozenset[str] = frozenset()) -> Lease | None:
         """A lease at once when nobody is queued and a replica has room (the common case; no coroutine), else None."""

@@ -49,6 +49,7 @@ class FakeBehavior:
     max_running: int | None = None  # like vLLM's max_num_seqs: requests beyond it wait (and /metrics says so)
     lora_load_s: float = 0.0  # how long /v1/load_lora_adapter takes
     lora_fail: bool = False  # /v1/load_lora_adapter answers 404 (as vLLM does for a path with no adapter)
+    stop_after: int | None = None  # answers end after this many tokens, whatever max_tokens allows (an early stop)
 
 
 @dataclass
@@ -75,7 +76,8 @@ STATS = web.AppKey("stats", FakeStats)
 
 def _tokens(body: dict, behavior: FakeBehavior) -> int:
     value = body.get("max_tokens") or body.get("max_completion_tokens")
-    return int(value) if isinstance(value, int) and value > 0 else behavior.default_tokens
+    tokens = int(value) if isinstance(value, int) and value > 0 else behavior.default_tokens
+    return tokens if behavior.stop_after is None else min(tokens, behavior.stop_after)
 
 
 def _choice(kind: str, index: int, text: str, finish: str | None) -> dict:
