@@ -1,11 +1,14 @@
-"""Small helpers the benchmarks share: where results go, Markdown tables, and matplotlib set up headless."""
+"""Small helpers the benchmarks share: where results go, Markdown tables, matplotlib set up headless, and a speedometer
+for the machine."""
 
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import subprocess
 import tempfile
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -57,3 +60,14 @@ def worktree(rev: str) -> Iterator[Path]:
         subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=ROOT, timeout=60, check=False,
                        capture_output=True)
         shutil.rmtree(tree.parent, ignore_errors=True)
+
+
+def machine_speed(work: int = 200_000) -> float:
+    """CPU microseconds this process's thread spends on a fixed piece of Python work (a speedometer for the machine:
+    it rises when the core is slower or shared at the hardware level, not when the thread merely waits its turn).
+    About 20 ms on this 2-core VM."""
+    start = time.thread_time()
+    total = 0
+    for i in range(work):
+        total += i * i % 7
+    return (time.thread_time() - start) * 1e6 if total >= 0 else math.nan

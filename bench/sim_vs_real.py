@@ -53,7 +53,8 @@ from typing import Any
 import numpy as np
 import yaml
 
-from .common import figure_path, markdown_table, pyplot, save
+from .common import figure_path, machine_speed, markdown_table, pyplot, save
+from .sim_vs_real_inflight import inflight_lines
 from .sim_vs_real_ranking import ranking_lines
 
 POLICIES = ("prefix_affinity", "least_outstanding_tokens", "least_requests", "round_robin")
@@ -245,11 +246,13 @@ def run_point(run: Run, side: Side, rate: float, duration: float, tokenizer: str
     arrival = ["--arrival", "poisson"] if run.arrival == "poisson" else ["--arrival", "gamma", "--burstiness", "0.25"]
     shape = CHAT if run.workload == "chat" else WORKLOADS[run.workload]
     before = prefix_counters(side.replicas)
+    speed = [machine_speed() for _ in range(3)]  # the machine's own speed about the run (slower: more us)
     cpu_before = cpu_snapshot(side.pids)
     summary = loadtest(["--host", side.gateways[run.policy], *shape, *arrival, "--rate", f"{rate:.4f}",
                         "--duration", f"{duration:g}", "--seed", str(run.seed), "--prompt-salt", str(salt),
                         "--tokenizer", tokenizer], out, duration + 600)
     cpu = cpu_use(cpu_before, cpu_snapshot(side.pids))  # the load generator's start and end included
+    speed += [machine_speed() for _ in range(3)]
     after = prefix_counters(side.replicas)
     queries = after[1] - before[1]
     records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines() if line]
@@ -260,7 +263,7 @@ def run_point(run: Run, side: Side, rate: float, duration: float, tokenizer: str
             "ttft_s": [r["ttft_s"] for r in ok if r.get("ttft_s") is not None],
             "tpot_s": [(r["end_s"] - r["sent_s"] - r["ttft_s"]) / (r["output_tokens"] - 1) for r in ok
                        if r.get("ttft_s") is not None and (r.get("output_tokens") or 0) > 1],
-            "e2e_s": [r["end_s"] - r["sent_s"] for r in ok], "cpu": cpu}
+            "e2e_s": [r["end_s"] - r["sent_s"] for r in ok], "cpu": cpu, "speed_us": float(np.median(speed))}
 
 
 @dataclass(frozen=True)
@@ -373,6 +376,7 @@ def measure(setup: Setup) -> None:
         real = [r["url"] for r in base["replicas"]]
         meta_path = out / "meta.json"
         meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
+        meta["replicas"] = len(real)
         sides: dict[str, list[str]] = {"real": real}
         pids: dict[str, list[int]] = {"real": [r["pid"] for r in json.loads((run_dir / "state.json").read_text())
                                                ["replicas"]]}
@@ -538,6 +542,7 @@ def report(out: Path, meta: dict[str, Any]) -> str:
     for side_name in (n for n in CALIBRATIONS.values() if n in table):
         lines += versus(real, table[side_name], side_name)
         lines += ranking_lines(rows, side_name)
+        lines += inflight_lines(rows, int(meta.get("replicas", 2)), side_name)  # runs before 11-26: always 2
     lines += ["## The default on real replicas (p99 TTFT, ms, pooled over seeds)", ""]
     judged = []
     for point, by in real.items():

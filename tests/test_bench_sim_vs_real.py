@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from bench.sim_vs_real import REPEAT, Run, Setup, done_runs, repeatability, report
+from bench.sim_vs_real_inflight import inflight_lines
 from bench.sim_vs_real_ranking import ranking_lines
 
 
@@ -88,3 +89,22 @@ def test_ranking_needs_two_seeds_and_the_simulated_side() -> None:
     rows = [_run("real", p, 0, ms) for p, ms in {"a": 10, "b": 20}.items()]
     assert ranking_lines(rows + [_run("sim", "a", 0, 1), _run("sim", "b", 0, 2)], "sim") == []  # one seed
     assert ranking_lines(rows, "sim") == []  # no simulated side
+
+
+def _timed(side: str, load: float, rate: float, e2e: float, tpot_ms: float, rest: float, speed: float
+           ) -> dict[str, object]:
+    return {"side": side, "workload": "sharegpt", "arrival": "poisson", "load": load, "policy": "round_robin",
+            "seed": 0, "rate": rate, "e2e_s": [e2e] * 4, "tpot_s": [tpot_ms / 1000] * 4, "ttft_s": [0.02] * 4,
+            "cpu": {"rest": rest}, "speed_us": speed}
+
+
+def test_tpot_is_set_beside_the_requests_in_flight_and_the_machine() -> None:
+    """Little's law: 8 requests/s x 1 s / 2 replicas = 4 in flight each. Real TPOT rises with the rest's CPU and
+    with the speedometer (rank correlation +1); the simulated run in the same bin is 20% faster."""
+    rows = [_timed("real", 0.5, 8.0, 1.0, tpot, rest, speed)
+            for tpot, rest, speed in ((5.0, 0.30, 11000), (6.0, 0.32, 12000), (7.0, 0.35, 13000))]
+    rows.append(_timed("sim", 0.5, 8.0, 1.0, 4.8, 0.3, 11000))
+    text = "\n".join(inflight_lines(rows, 2, "sim"))
+    assert "| 3-5 | 3 | 6.0 | 1 | 4.8 | -20% |" in text
+    assert "rank correlation of TPOT with rest +1.00" in text and "11000-13000 us +1.00 (3 runs)" in text
+    assert inflight_lines([r for r in rows if r["side"] == "real"], 2, "sim") == []  # nothing to set it beside
