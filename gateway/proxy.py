@@ -25,6 +25,7 @@ from .server import Request, Responder, Response
 from .settlement import Settlement, completion_tokens
 from .tracing import PassThrough, RequestTrace, Tracing
 from .upstream import Origin, UpstreamPool, UpstreamResponse
+from .watchdogs import Watch, Watchdogs
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +84,7 @@ class Proxy:
         self._out_of_descriptors = Throttled(logger)
         self._loop = asyncio.get_running_loop()  # once: each lookup is a getpid() system call on Python 3.11
         timeouts = config.timeouts
-        self._watchdogs = _Watchdogs(self._loop, max(0.01, min(1.0, timeouts.first_byte_s / 10, timeouts.idle_s / 10)))
+        self._watchdogs = Watchdogs(self._loop, max(0.01, min(1.0, timeouts.first_byte_s / 10, timeouts.idle_s / 10)))
         self._headers = b"Content-Type: application/json\r\n"
         if config.upstream_api_key:
             self._headers += f"Authorization: Bearer {config.upstream_api_key}\r\n".encode("latin-1")
@@ -166,7 +167,7 @@ class Proxy:
         return origin
 
     async def _send(self, request: Request, lease: Lease, info: RequestInfo, request_id: str,
-                    watch: _Watch, trace_headers: bytes) -> tuple[UpstreamResponse, bytes, bool]:
+                    watch: Watch, trace_headers: bytes) -> tuple[UpstreamResponse, bytes, bool]:
         """The replica's answer, its first chunk (or whole body) within the first-byte timeout, and whether it is
         relayed as a stream."""
         replica = lease.replica
@@ -206,7 +207,7 @@ class Proxy:
         return response, first, streams
 
     async def _relay(self, responder: Responder, upstream: UpstreamResponse, first: bytes, streams: bool,
-                     lease: Lease, info: RequestInfo, started: float, watch: _Watch) -> Response | None:
+                     lease: Lease, info: RequestInfo, started: float, watch: Watch) -> Response | None:
         status = upstream.status
         content_type = upstream.headers.get("content-type", "application/json")
         headers = {"x-gateway-replica": lease.replica.url}
@@ -222,7 +223,7 @@ class Proxy:
         return response
 
     async def _stream(self, responder: Responder, upstream: UpstreamResponse, data: bytes, lease: Lease,
-                      info: RequestInfo, started: float, watch: _Watch) -> None:
+                      info: RequestInfo, started: float, watch: Watch) -> None:
         loop = self._loop
         if data:
             self._metrics.first_token(lease.replica.url, info.model, loop.time() - started)
@@ -318,85 +319,3 @@ def _whole_events(data: bytes) -> tuple[bytes, bytes]:
     if len(data) - end > _MAX_HELD:
         return data, b""
     return data[:end], data[end:]
-
-
-class _Watch:
-    """One request's timeout: `limit` seconds allowed since `last` (its latest sign of progress).
-
-    Where progress comes once per token, it is counted in `moved` instead (no clock read per token): a tick that
-    finds `moved` changed takes its own time as the latest progress, so such a timeout fires up to one tick later.
-    """
-
-    __slots__ = ("task", "limit", "last", "expired", "paused", "moved", "_seen")
-
-    def __init__(self, task: asyncio.Task[object] | None, limit: float, now: float) -> None:
-        self.task = task
-        self.limit = limit
-        self.last = now
-        self.expired = False
-        self.paused = False
-        self.moved = 0
-        self._seen = 0
-
-    def progressed(self, now: float) -> bool:
-        """Whether `moved` changed since the last call; if so, `now` becomes the latest progress."""
-        if self.moved == self._seen:
-            return False
-        self._seen = self.moved
-        self.last = now
-        return True
-
-
-class _Watchdogs:
-    """Cancels requests that made no progress for their limit; one timer checks them all.
-
-    A timer per request (asyncio.timeout, or call_at and cancel) cost more at 100 requests/s than the request's
-    routing and accounting together (py-spy); this one ticks every `tick_s` while requests are in flight, so a
-    timeout fires within `tick_s` after its limit (two ticks for a stream relayed from the replica's callback,
-    whose progress a tick sees by `_Watch.moved`).
-    """
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, tick_s: float) -> None:
-        self._loop = loop
-        self._tick_s = tick_s
-        self._active: set[_Watch] = set()
-        self._handle: asyncio.TimerHandle | None = None
-
-    def watch(self, limit: float) -> _Watch:
-        loop = self._loop
-        watch = _Watch(asyncio.current_task(loop), limit, loop.time())
-        self._active.add(watch)
-        if self._handle is None:
-            self._handle = loop.call_later(self._tick_s, self._tick)
-        return watch
-
-    def rearm(self, watch: _Watch, limit: float) -> None:
-        """From now on, allow `limit` seconds between two signs of progress."""
-        watch.limit = limit
-        watch.last = self._loop.time()
-
-    def timed_out(self, watch: _Watch) -> bool:
-        """After a CancelledError: whether it was `watch` expiring (the cancellation is then undone)."""
-        if watch.expired:
-            asyncio.current_task(self._loop).uncancel()  # type: ignore[union-attr]
-        return watch.expired
-
-    def done(self, watch: _Watch) -> None:
-        self._active.discard(watch)
-
-    def _tick(self) -> None:
-        loop = self._loop
-        now = loop.time()
-        for watch in list(self._active):
-            if watch.paused or watch.progressed(now):
-                watch.last = now
-            elif now - watch.last >= watch.limit and watch.task is not None:
-                watch.expired = True
-                self._active.discard(watch)
-                watch.task.cancel()
-        self._handle = loop.call_later(self._tick_s, self._tick) if self._active else None
-
-    def close(self) -> None:
-        if self._handle is not None:
-            self._handle.cancel()
-            self._handle = None

@@ -134,7 +134,7 @@ async def test_slow_steady_stream_is_not_taken_for_a_stall(fake_replica: FakeFac
                                                            gateway_for: GatewayFactory) -> None:
     """Tokens 0.12 s apart under an idle timeout of 0.2 s, for six times that timeout: the stream is never cut.
 
-    Tokens relayed from the replica connection's callback are seen by the watchdog's tick (`_Watch.moved`), not
+    Tokens relayed from the replica connection's callback are seen by the watchdog's tick (`Watch.moved`, gateway/watchdogs.py), not
     timed one by one; this is the case where that could go wrong: every gap is more than half the limit.
     """
     fake = await fake_replica(itl_s=0.12)
