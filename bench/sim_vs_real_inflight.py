@@ -75,7 +75,24 @@ def inflight_lines(rows: Sequence[dict[str, Any]], replicas: int, sim_side: str)
             notes.append(note + f" ({len(points)} runs)")
     if notes:
         lines += ["Real runs by load, the rest of the machine's CPU against TPOT: " + "; ".join(notes) + ".", ""]
-    return lines
+    return lines + series_lines(rows, replicas)
+
+
+def series_lines(rows: Sequence[dict[str, Any]], replicas: int) -> list[str]:
+    """The real side's runs in the order they ran, with the speedometer: a slow phase of the machine shows as a
+    stretch of slow runs whatever their point and policy."""
+    real = [r for r in rows if r["side"] in ("real", "real-repeat") and r["workload"] != "chat" and r["tpot_s"]]
+    if not real or not all("speed_us" in r for r in real):
+        return []
+    body = [[i, f"{r['workload']}/{r['load']:g}/{r['seed']}", r["policy"] + (" (repeat)" if r["side"] != "real" else ""),
+             f"{r['speed_us'] / 1000:.1f}", f"{r['cpu']['rest']:.2f}" if r.get("cpu") else "-",
+             f"{inflight(r, replicas):.1f}", f"{1000 * float(np.median(r['tpot_s'])):.1f}"]
+            for i, r in enumerate(real, start=1)]
+    return ["### The real series in the order it ran", "",
+            "Speedometer: ms of CPU for one fixed piece of Python work, the median of 3 before and 3 after the run "
+            "(more: a slower machine).", "",
+            markdown_table(["#", "point / seed", "policy", "speedometer ms", "rest (cores)", "in flight per replica",
+                            "TPOT p50 ms"], body), ""]
 
 
 def _spearman(a: np.ndarray, b: np.ndarray) -> float:

@@ -107,4 +107,5 @@ def test_tpot_is_set_beside_the_requests_in_flight_and_the_machine() -> None:
     text = "\n".join(inflight_lines(rows, 2, "sim"))
     assert "| 3-5 | 3 | 6.0 | 1 | 4.8 | -20% |" in text
     assert "rank correlation of TPOT with rest +1.00" in text and "11000-13000 us +1.00 (3 runs)" in text
+    assert "| 3 | sharegpt/0.5/0 | round_robin | 13.0 | 0.35 | 4.0 | 7.0 |" in text  # the series, in order
     assert inflight_lines([r for r in rows if r["side"] == "real"], 2, "sim") == []  # nothing to set it beside
