@@ -384,9 +384,12 @@ def measure(setup: Setup) -> None:
             side_name = CALIBRATIONS[calibration]
             suffix = "" if calibration == "isolated" else f"_{calibration}"
             if f"replica_model{suffix}" not in meta:
+                speed = [machine_speed() for _ in range(3)]  # the machine's speed about the profile, as about a run
                 meta[f"calibration{suffix}"], meta[f"replica_model{suffix}"] = calibrate(
                     out, setup.profiles, real if calibration == "together" else real[:1], suffix,
                     base["replicas"][0]["max_num_seqs"], tokenizer, prompt_seed=k)
+                speed += [machine_speed() for _ in range(3)]
+                meta[f"speed_us{suffix}"] = float(np.median(speed))
                 meta_path.write_text(json.dumps(meta, indent=1))
             port = sim_port + 10 * k
             urls = [f"http://127.0.0.1:{port + i}" for i in range(setup.replicas)]
@@ -537,7 +540,10 @@ def report(out: Path, meta: dict[str, Any]) -> str:
                       ("calibration_together", "`sim-together` (every replica profiled at once; the first one's "
                                                "profiles fitted)")):
         if key in meta:
-            lines += [f"Calibration of {what}, `sim calibrate --profile`:", "", "```", meta[key].strip(), "```", ""]
+            speed = meta.get(key.replace("calibration", "speed_us"))
+            lines += [f"Calibration of {what}, `sim calibrate --profile`"
+                      + (f" (speedometer about the profile: {speed / 1000:.1f} ms)" if speed else "") + ":", "",
+                      "```", meta[key].strip(), "```", ""]
     lines += repeatability(rows)
     for side_name in (n for n in CALIBRATIONS.values() if n in table):
         lines += versus(real, table[side_name], side_name)
