@@ -17,6 +17,8 @@ Medians over rounds; every figure also as a ratio to the vLLM router's in the sa
 --paired loads each gateway at the same time as the vLLM router in the paced column, both pinned to the gateway
 core, each with its own wrk: a round's ratio then sees one machine state. Between sequential rounds this VM's CPU
 per paced event moved by 10-30%; two copies of this gateway loaded together agreed within about 1% (5 rounds, A/A).
+Through this bench, where each gateway is paired with the router in turn, `--baseline HEAD` gave the same code
+0.94x and 0.97x (4 rounds): a difference under about 3% is not a finding.
 Only the paced load is paired: it leaves the core half idle, where the saturating columns (wrk as fast as it can)
 would make the two gateways share one full core and change what each spends per request (measured: this gateway's
 ratio per request 0.40x paired against 0.23x alone).
@@ -311,7 +313,8 @@ def main() -> None:
     parser.add_argument("--paired", action="store_true",
                         help="paced column: load each gateway at the same time as the vLLM router (both on the "
                         "gateway core), so that a round's ratio sees one machine state; two runs of one gateway agree "
-                        "within about 1%% this way, against 10-30%% between sequential rounds")
+                        "within about 1%% this way, against 10-30%% between sequential rounds (through this bench, "
+                        "each gateway paired with the router in turn: within about 3%%)")
     parser.add_argument("--save", action="store_true", help="write docs/bench/gateway_overhead.md and "
                         "docs/bench/gateway_peers.json")
     args = parser.parse_args()
