@@ -29,11 +29,11 @@ from .metrics import Metrics
 from .parsing import other_info, parse
 from .policies import make_policy
 from .proxy import Proxy
-from .settlement import Settlement
 from .ratelimit import TokenRates
 from .replicaset import Follower
 from .router import Router
 from .server import Deadlines, HttpServer, Request, Responder, Response
+from .settlement import Settlement
 from .table import R_PID, R_STATE, STATE_READY, LoadTable
 from .tenancy import Classifier
 from .tokens import TokenCounter
@@ -138,10 +138,8 @@ class Gateway:
         worker = str(os.getpid()) if self.config.workers > 1 else None
         # here, in the process that serves: the SDK's export thread does not survive a fork
         self.tracing = make_tracing(self.config.tracing, self.config.policy)
-        order = self.router.order if isinstance(self.router.order, PriorityOrder) else None
-        settlement = (Settlement(order, self._rates)
-                      if (order is not None and order.fair) or self._rates is not None else None)
-        self.proxy = Proxy(self.config, self.router, self._pool, self.metrics, worker, self.tracing, settlement)
+        self.proxy = Proxy(self.config, self.router, self._pool, self.metrics, worker, self.tracing,
+                           Settlement.of(self.router.order, self._rates))
         self._tasks = [asyncio.create_task(self.follower.run(), name="replica-set-follower"),
                        asyncio.create_task(self._learn_tokenizers(), name="tokenizer-discovery")]
         if self.config.lora.enabled:

@@ -84,7 +84,8 @@ class Proxy:
         self._out_of_descriptors = Throttled(logger)
         self._loop = asyncio.get_running_loop()  # once: each lookup is a getpid() system call on Python 3.11
         timeouts = config.timeouts
-        self._watchdogs = Watchdogs(self._loop, max(0.01, min(1.0, timeouts.first_byte_s / 10, timeouts.idle_s / 10)))
+        tick_s = max(0.01, min(1.0, timeouts.first_byte_s / 10, timeouts.idle_s / 10))
+        self._watchdogs = Watchdogs(self._loop, tick_s)
         self._headers = b"Content-Type: application/json\r\n"
         if config.upstream_api_key:
             self._headers += f"Authorization: Bearer {config.upstream_api_key}\r\n".encode("latin-1")
@@ -141,10 +142,9 @@ class Proxy:
                     if upstream is not None:
                         upstream.close()
                     if settlement is not None:
-                        if answer is not None:
-                            served = _served(status, streams, answer, lease, info)
+                        served = None if answer is None else _served(status, streams, answer, lease, info)
                         if lease.charged:
-                            settlement.lease_done(info, served if answer is not None else None)
+                            settlement.lease_done(info, served)
             raise AssertionError("unreachable: the loop returns or raises")
         except GatewayError as exc:
             status, error = exc.status, exc.message
@@ -222,6 +222,13 @@ class Proxy:
         self._metrics.answered(lease.replica.url, info.model, status, self._loop.time() - started)
         return response
 
+    def _all_tokens(self, lease: Lease, data: bytes) -> None:
+        """The whole answer is in, its last part `data`: the lease's output budget comes back without counting its
+        events (10 KB: 6 us), unless a tenant is charged by the tokens served."""
+        if self._settlement is not None:
+            lease.tokens(data.count(_SSE_EVENT))
+        lease.all_tokens()
+
     async def _stream(self, responder: Responder, upstream: UpstreamResponse, data: bytes, lease: Lease,
                       info: RequestInfo, started: float, watch: Watch) -> None:
         loop = self._loop
@@ -229,9 +236,7 @@ class Proxy:
             self._metrics.first_token(lease.replica.url, info.model, loop.time() - started)
             lease.first_token()
             if upstream.ended:  # the whole answer came with its head (tokens made back to back): one write
-                if self._settlement is not None:
-                    lease.tokens(data.count(_SSE_EVENT))  # the tokens served, for the tenant's charge
-                lease.all_tokens()
+                self._all_tokens(lease, data)
                 try:
                     await responder.send(data, last=True)
                 except ConnectionError:
@@ -263,10 +268,8 @@ class Proxy:
                     data, held = _whole_events(held + data)
                 if data:
                     last = not held and upstream.ended
-                    if last:  # the whole answer is in: its tokens are back, no need to count them (10 KB: 6 us)
-                        if self._settlement is not None:
-                            lease.tokens(data.count(_SSE_EVENT))  # ... but for the tenant's charge
-                        lease.all_tokens()
+                    if last:
+                        self._all_tokens(lease, data)
                     else:
                         lease.tokens(data.count(_SSE_EVENT))
                     watch.paused = True  # a slow client is not a stalled replica

@@ -146,6 +146,14 @@ class Lease:
         if self._done:
             return
         self.counted += count
+        self._count_down(count)
+
+    def all_tokens(self) -> None:
+        """The replica's answer is complete: what is left of the output budget comes back at once (no counting)."""
+        if not self._done:
+            self._count_down(self._output)
+
+    def _count_down(self, count: int) -> None:
         done = min(count, self._output)
         if done:
             self._output -= done
@@ -154,12 +162,6 @@ class Lease:
             replica.own[OUTSTANDING] -= done
             if replica.max_outstanding_tokens is not None:
                 self._on_release()  # only a token cap can admit a queued request now
-
-    def all_tokens(self) -> None:
-        """The replica's answer is complete: what is left of the output budget comes back at once (no counting)."""
-        counted = self.counted
-        self.tokens(self._output)
-        self.counted = counted  # what came back was the budget left, not tokens served
 
     def release(self) -> None:
         """The request is over, however it ended. Safe to call more than once."""

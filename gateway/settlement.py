@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import msgspec
 
-from .fairqueue import PriorityOrder
+from .fairqueue import PriorityOrder, QueueOrder
 from .parsing import RequestInfo
 from .ratelimit import TokenRates
 
@@ -52,6 +52,12 @@ class Settlement:
     def __init__(self, order: PriorityOrder | None, rates: TokenRates | None) -> None:
         self._order = order if order is not None and order.fair else None
         self._rates = rates
+
+    @classmethod
+    def of(cls, order: QueueOrder | None, rates: TokenRates | None) -> Settlement | None:
+        """The settlement for the router's queue order and the token rates, or None where neither charges."""
+        fair = order if isinstance(order, PriorityOrder) and order.fair else None
+        return cls(fair, rates) if fair is not None or rates is not None else None
 
     @staticmethod
     def _unused(info: RequestInfo, served: int | None) -> int:

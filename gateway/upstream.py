@@ -97,7 +97,8 @@ class _Connection(asyncio.Protocol):
         self.received = True
         # A read often holds several chunks (tokens that came out together): with a sink they reach it as one
         # part, one write to the client instead of one per chunk.
-        gathered: list[bytes] | None = [] if self.sink is not None else None
+        sink = self.sink
+        gathered: list[bytes] | None = [] if sink is not None else None
         self._gathered = gathered
         error = None
         try:
@@ -105,10 +106,9 @@ class _Connection(asyncio.Protocol):
         except httptools.HttpParserError as exc:
             error = exc
         self._gathered = None
-        if gathered:
+        if sink is not None and gathered:
             body = gathered[0] if len(gathered) == 1 else b"".join(gathered)
-            sink = self.sink  # as _deliver does, spelled out here: this runs once per streamed token
-            if sink is None or self.chunks or not sink(body, len(gathered)):
+            if self.chunks or not sink(body, len(gathered)):  # behind queued parts, or declined: for readany
                 self._queue(body)
         if error is not None:
             self._fail(ConnectionError(f"malformed HTTP from the replica: {error}"))
@@ -145,18 +145,13 @@ class _Connection(asyncio.Protocol):
             self.head.set_result(None)
 
     def on_body(self, body: bytes) -> None:
-        if self._gathered is not None:
+        if self._gathered is not None:  # a sink is set: offered it once the read is parsed (data_received)
             self._gathered.append(body)
         else:
-            self._deliver(body)
-
-    def _deliver(self, body: bytes) -> None:
-        if self.sink is not None and not self.chunks and self.sink(body, 1):
-            return  # relayed already: no task to wake
-        self._queue(body)
+            self._queue(body)
 
     def _queue(self, body: bytes) -> None:
-        """For `readany`, which the sink left it to."""
+        """For `readany`: no sink, or the sink left it."""
         self.chunks.append(body)
         self.buffered += len(body)
         if self.buffered > _PAUSE_AT and not self.paused and self.transport is not None:
