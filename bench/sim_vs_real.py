@@ -547,7 +547,7 @@ def report(out: Path, meta: dict[str, Any]) -> str:
     lines += repeatability(rows)
     for side_name in (n for n in CALIBRATIONS.values() if n in table):
         lines += versus(real, table[side_name], side_name)
-        lines += ranking_lines(rows, side_name)
+        lines += ranking_lines(rows, table, side_name)
         lines += inflight_lines(rows, int(meta.get("replicas", 2)), side_name)  # runs before 11-26: always 2
     lines += ["## The default on real replicas (p99 TTFT, ms, pooled over seeds)", ""]
     judged = []

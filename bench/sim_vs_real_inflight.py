@@ -84,7 +84,8 @@ def series_lines(rows: Sequence[dict[str, Any]], replicas: int) -> list[str]:
     real = [r for r in rows if r["side"] in ("real", "real-repeat") and r["workload"] != "chat" and r["tpot_s"]]
     if not real or not all("speed_us" in r for r in real):
         return []
-    body = [[i, f"{r['workload']}/{r['load']:g}/{r['seed']}", r["policy"] + (" (repeat)" if r["side"] != "real" else ""),
+    body = [[i, f"{r['workload']}/{r['load']:g}/{r['seed']}",
+             r["policy"] + (" (repeat)" if r["side"] != "real" else ""),
              f"{r['speed_us'] / 1000:.1f}", f"{r['cpu']['rest']:.2f}" if r.get("cpu") else "-",
              f"{inflight(r, replicas):.1f}", f"{1000 * float(np.median(r['tpot_s'])):.1f}"]
             for i, r in enumerate(real, start=1)]

@@ -31,23 +31,16 @@ def _p99_by_seed(rows: Sequence[dict[str, Any]], side: str) -> dict[str, dict[st
     return out
 
 
-def _pooled_p99(rows: Sequence[dict[str, Any]], side: str) -> dict[str, dict[str, float]]:
-    pooled: dict[str, dict[str, list[float]]] = {}
-    for r in rows:
-        if r["side"] == side and r["workload"] != "chat":
-            point = f"{r['workload']}/{r['arrival']}/{r['load']:g}"
-            pooled.setdefault(point, {}).setdefault(r["policy"], []).extend(r["ttft_s"])
-    return {pt: {p: float(np.percentile(v, 99)) for p, v in by.items() if v} for pt, by in pooled.items()}
-
-
 def _order(a: float, b: float) -> int:
     return int(np.sign(a - b))
 
 
-def ranking_lines(rows: Sequence[dict[str, Any]], sim_side: str) -> list[str]:
-    """The report's section for one simulated side: per point, the real side's own agreement and the simulator's."""
+def ranking_lines(rows: Sequence[dict[str, Any]], pooled: dict[str, dict[str, Any]], sim_side: str) -> list[str]:
+    """The report's section for one simulated side: per point, the real side's own agreement and the simulator's.
+    `pooled`: each side's figures pooled over seeds (`sim_vs_real.summarize`)."""
     real = _p99_by_seed(rows, "real")
-    real_pooled, sim_pooled = _pooled_p99(rows, "real"), _pooled_p99(rows, sim_side)
+    real_pooled = {pt: {p: v["ttft_p99"] for p, v in by.items()} for pt, by in pooled.get("real", {}).items()}
+    sim_pooled = {pt: {p: v["ttft_p99"] for p, v in by.items()} for pt, by in pooled.get(sim_side, {}).items()}
     body: list[list[object]] = []
     decided_all = agreed_all = 0
     seeds_n = 0  # the fewest seeds of a point in the table

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.sim_vs_real import REPEAT, Run, Setup, done_runs, repeatability, report
+from bench.sim_vs_real import REPEAT, Run, Setup, done_runs, repeatability, report, summarize
 from bench.sim_vs_real_inflight import inflight_lines
 from bench.sim_vs_real_ranking import ranking_lines
 
@@ -69,7 +69,8 @@ def test_a_negative_repeat_count_is_a_usage_error(capsys: pytest.CaptureFixture[
 
 def _run(side: str, policy: str, seed: int, ttft_ms: float) -> dict[str, object]:
     return {"side": side, "workload": "mix", "arrival": "poisson", "load": 0.8, "policy": policy, "seed": seed,
-            "ttft_s": [ttft_ms / 1000] * 10}
+            "ttft_s": [ttft_ms / 1000] * 10, "tpot_s": [0.005] * 10, "e2e_s": [0.5] * 10, "hit_rate": float("nan"),
+            "failed": 0}
 
 
 def test_ranking_counts_the_pairs_every_real_seed_orders_alike_and_the_simulators_agreement() -> None:
@@ -78,7 +79,7 @@ def test_ranking_counts_the_pairs_every_real_seed_orders_alike_and_the_simulator
     real = {"a": [10, 11, 12], "b": [20, 21, 22], "c": [30, 15, 40]}
     rows = [_run("real", p, seed, ms[seed]) for p, ms in real.items() for seed in range(3)]
     rows += [_run("sim", p, seed, ms) for p, ms in {"a": 10, "b": 20, "c": 5}.items() for seed in range(3)]
-    text = "\n".join(ranking_lines(rows, "sim"))
+    text = "\n".join(ranking_lines(rows, summarize(rows), "sim"))
     row = next(line for line in text.splitlines() if line.startswith("| mix/poisson/0.8"))
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert cells[1:6] == ["3", "1 of 3", "0.78", "2 of 3", "1 of 2"]  # seeds 0 and 2 rank a, b, c alike
@@ -87,8 +88,9 @@ def test_ranking_counts_the_pairs_every_real_seed_orders_alike_and_the_simulator
 
 def test_ranking_needs_two_seeds_and_the_simulated_side() -> None:
     rows = [_run("real", p, 0, ms) for p, ms in {"a": 10, "b": 20}.items()]
-    assert ranking_lines(rows + [_run("sim", "a", 0, 1), _run("sim", "b", 0, 2)], "sim") == []  # one seed
-    assert ranking_lines(rows, "sim") == []  # no simulated side
+    one_seed = rows + [_run("sim", "a", 0, 1), _run("sim", "b", 0, 2)]
+    assert ranking_lines(one_seed, summarize(one_seed), "sim") == []  # one seed
+    assert ranking_lines(rows, summarize(rows), "sim") == []  # no simulated side
 
 
 def _timed(side: str, load: float, rate: float, e2e: float, tpot_ms: float, rest: float, speed: float
