@@ -82,6 +82,18 @@ class Responder:
             return False
         return self._conn.write_now(self._framed(data))
 
+    def send_chunk_now(self, chunk: bytes) -> bool:
+        """`send_now` for one chunk as a replica framed it (chunk size, data, CRLF): relayed as it came where the
+        client takes chunked encoding, its data alone to an HTTP/1.0 one. It runs once per streamed token."""
+        conn = self._conn
+        if self._head or conn.closing or conn._paused_at is not None:
+            return False
+        transport = conn._transport
+        if transport is None:
+            return False
+        transport.write(chunk if self._request.http11 else chunk[chunk.index(b"\r\n") + 2:-2])
+        return True
+
     async def finish(self) -> None:
         """End a streamed response (the head too, if no chunk was sent), unless its last chunk ended it."""
         if not self._ended:

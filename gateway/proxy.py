@@ -246,13 +246,15 @@ class Proxy:
         failure = ""
         held = b""  # the start of an event still arriving: relayed once whole, so an error event never joins it
 
-        send_now, tokens = responder.send_now, lease.tokens  # bound once: called once per token
+        send_now, send_chunk_now, tokens = responder.send_now, responder.send_chunk_now, lease.tokens  # bound once
         relayed = 0  # events relayed by the callback and not yet counted down on the lease
 
-        def relay_now(part: bytes, events: int) -> bool:
-            """Whole events, straight to a client that keeps up, from the replica connection's callback."""
+        def relay_now(part: bytes | None, events: int, wire: bytes | None) -> bool:
+            """Whole events, straight to a client that keeps up, from the replica connection's callback: a part, or
+            a whole chunk as the replica framed it (`wire`: sent without framing it again where the client takes
+            chunked encoding)."""
             nonlocal relayed
-            if held or not part.endswith(b"\n\n") or not send_now(part):
+            if held or not (send_chunk_now(wire) if part is None else part.endswith(b"\n\n") and send_now(part)):
                 return False  # queued for the loop below, which waits for the client or completes the event
             relayed += events
             if relayed >= _COUNT_EVERY:

@@ -23,6 +23,9 @@ from urllib.parse import urlsplit
 
 import httptools
 
+# A body part as it arrived and how many chunks it held; or None, 1 and the read itself, one whole chunk of whole
+# events, as the replica framed it
+Sink = Callable[["bytes | None", int, "bytes | None"], bool]
 _PAUSE_AT = 256 * 1024  # stop reading from a replica while this much of its answer waits for the client
 _REAP_EARLY_S = 0.001  # a timer may fire a hair early: a connection this close to idle_s is closed, not waited for
 
@@ -76,9 +79,11 @@ class _Connection(asyncio.Protocol):
         self.idle_since = 0.0
         self._waiter: asyncio.Future[None] | None = None
         # Takes body parts as they arrive, in the protocol's callback, while nothing is queued (UpstreamResponse.splice)
-        self.sink: Callable[[bytes, int], bool] | None = None
+        self.sink: Sink | None = None
         self._gathered: list[bytes] | None = None  # body parts of one read, offered to the sink as one
         self._framed = False  # the answer has a length or chunked encoding (else it ends with the connection)
+        self._chunked = False  # the answer has chunked encoding
+        self._aligned = False  # the last read ended at the end of a chunk (known only while a sink is set)
         self._head_only = False  # the request is HEAD: its answer ends with its head
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -89,15 +94,27 @@ class _Connection(asyncio.Protocol):
         self.head = self._loop.create_future()
         self.headers, self.status, self.complete, self.keep_alive, self.received = {}, 0, False, False, False
         self.buffered = 0
+        self._aligned = False
         self._head_only = data.startswith(b"HEAD ")
         self._resume()
         self.transport.write(data)
 
     def data_received(self, data: bytes) -> None:
-        self.received = True
+        sink = self.sink
+        if sink is not None and self._aligned and not self.chunks and data.endswith(b"\n\n\r\n"):
+            # A streamed token's usual read: one whole chunk, one whole event, after a read that ended a chunk. Its
+            # size is read here, and the parser, which would end where it began (before a chunk's size), is skipped
+            # with its callback per token.
+            cut = data.find(b"\r\n")
+            if 0 < cut < 9:
+                size = len(data) - cut - 4
+                if b"%x" % size == data[:cut]:  # lower-case hex, as uvicorn (h11) and aiohttp write it
+                    if not sink(None, 1, data):  # declined: for readany
+                        self._queue(data[cut + 2:-2])
+                    return
+        self.received = True  # (a sink is only set once the head has come)
         # A read often holds several chunks (tokens that came out together): with a sink they reach it as one
         # part, one write to the client instead of one per chunk.
-        sink = self.sink
         gathered: list[bytes] | None = [] if sink is not None else None
         self._gathered = gathered
         error = None
@@ -106,9 +123,12 @@ class _Connection(asyncio.Protocol):
         except httptools.HttpParserError as exc:
             error = exc
         self._gathered = None
+        # Whether this read ended a chunk: its last body bytes end an event and the chunk's CRLF follows at once.
+        self._aligned = (sink is not None and bool(gathered) and self._chunked and not self.complete
+                         and gathered[-1].endswith(b"\n\n") and data.endswith(b"\n\n\r\n"))
         if sink is not None and gathered:
             body = gathered[0] if len(gathered) == 1 else b"".join(gathered)
-            if self.chunks or not sink(body, len(gathered)):  # behind queued parts, or declined: for readany
+            if self.chunks or not sink(body, len(gathered), None):  # behind queued parts, or declined: for readany
                 self._queue(body)
         if error is not None:
             self._fail(ConnectionError(f"malformed HTTP from the replica: {error}"))
@@ -137,7 +157,8 @@ class _Connection(asyncio.Protocol):
         if 100 <= self.status < 200:
             self.headers = {}  # an interim answer (100 Continue): the real head follows
             return
-        self._framed = "content-length" in self.headers or "chunked" in self.headers.get("transfer-encoding", "")
+        self._chunked = "chunked" in self.headers.get("transfer-encoding", "")
+        self._framed = self._chunked or "content-length" in self.headers
         if self._head_only:  # httptools cannot be told to skip the body a HEAD answer names: end it here
             self.complete, self.keep_alive = True, self._parser.should_keep_alive()
             self._parser = httptools.HttpResponseParser(self)  # the next answer starts afresh
@@ -238,11 +259,13 @@ class UpstreamResponse:
         """The next part of the body that has arrived; b"" at its end."""
         return await self._conn.next_chunk()
 
-    def splice(self, sink: Callable[[bytes, int], bool] | None) -> None:
+    def splice(self, sink: Sink | None) -> None:
         """From now on offer each part of the body to `sink` as it arrives, before any `readany` (None: stop).
 
         A part is what one read brought, its chunks joined; the sink is told how many chunks (a replica streaming
-        server-sent events writes one event a chunk, so this counts them without searching the bytes).
+        server-sent events writes one event a chunk, so this counts them without searching the bytes). A read of
+        one whole chunk ending in a whole event is offered instead as it came, with its framing (`sink(None, 1,
+        read)`): a client taking chunked encoding can be given those bytes as they are.
 
         A part the sink takes (it returns True) is never seen by `readany`; one it declines is queued, and later parts
         are queued behind it until `readany` has taken them all, so the order holds. A streamed answer's parts then

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from tests.fuzz.harness import ClientRequest, Reply, Session, gateway_bytes, parse_body, relay_answers, serve_bytes
-from tests.fuzz.strategies import client_requests, client_streams, http_requests, mutated, replies, request_bodies
+from tests.fuzz.strategies import chunked_streams, client_requests, client_streams, http_requests, mutated, replies, request_bodies
 
 EXAMPLES = int(os.environ.get("SMALLSERVE_FUZZ_EXAMPLES", "100"))
 # runs per target: what each does in about 2 s here (the replica target runs the whole gateway per input)
@@ -53,6 +53,18 @@ def test_gateway_takes_any_replica_answer(requests: list[ClientRequest], answers
                                           concurrent: bool) -> None:
     """Replicas answering anything: one clean answer per client, no retry after bytes reached it, no desync."""
     relay_answers(requests, iter(answers), concurrent=concurrent)
+
+
+@FUZZ
+@given(chunked_streams())
+def test_stream_reaches_the_client_unchanged(stream: tuple[bytes, Reply]) -> None:
+    """A well-formed stream, however its chunks fall into reads, reaches the client whole and unchanged (reads of
+    one whole chunk are relayed as they came, the others parsed and framed again: gateway/upstream.py)."""
+    body, reply = stream
+    run = relay_answers([ClientRequest(stream=True)], iter([reply]))
+    answer = run.answers[0]
+    assert answer.status == 200 and answer.complete
+    assert answer.body == body
 
 
 @FUZZ

@@ -942,6 +942,58 @@ async def test_streamed_answer_ends_in_the_write_of_its_last_chunk(raw_replica: 
     assert ends == ([False, True] * 2 if split else [True, True]), writes
 
 
+def _chunk(data: bytes, extension: bytes = b"") -> bytes:
+    return b"%x%b\r\n%b\r\n" % (len(data), extension, data)
+
+
+async def test_stream_relays_the_replicas_chunks_as_they_came(raw_replica: RawFactory, gateway_for: GatewayFactory,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """A read of one whole chunk holding whole events, after a read that ended a chunk, goes to an HTTP/1.1 client
+    as the replica framed it (no parsing, no framing of our own); any other read is parsed and framed by the
+    gateway. Either way the client gets every event once, in order, over HTTP/1.1 and over HTTP/1.0 (which gets no
+    chunked framing)."""
+    events = [b"data: %d\n\n" % i for i in range(12)]
+    events[10:10] = [b"data: 4\r\nzz\n\n"]  # its chunk's second half looks like a whole chunk ("4\r\nzz\n\n\r\n")
+    split, look_alike = _chunk(events[5]), _chunk(events[10])
+    head = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+    parts = (head + _chunk(events[0]),
+             _chunk(events[1]),  # the first read seen by the relay: framed (where it starts is not known yet)
+             _chunk(events[2]),
+             _chunk(events[3], b";ext=1") + _chunk(events[4]),  # two chunks in a read, one with an extension
+             split[:7], split[7:],  # a chunk cut across two reads
+             _chunk(events[6][:4]), _chunk(events[6][4:]),  # an event cut across two chunks
+             b"9\r\n", events[7] + b"\r\n",  # a chunk's size alone, then its data
+             _chunk(events[8]), _chunk(events[9]),
+             look_alike[:9], look_alike[9:],
+             b"A\r\n" + events[11] + b"\r\n",  # a size in upper case
+             _chunk(events[12]) + b"0\r\n\r\n")
+    replica = await raw_replica(lambda method, path, n: (parts, False))
+    gw = await gateway_for([replica.url])
+    as_came: list[bytes] = []
+    original = Responder.send_chunk_now
+
+    def spied(self: Responder, wire: bytes) -> bool:
+        written = original(self, wire)
+        if written:
+            as_came.append(wire)
+        return written
+
+    monkeypatch.setattr(Responder, "send_chunk_now", spied)
+    async with aiohttp.ClientSession() as session:
+        status, got = await post_completion(session, gw.url, stream=True)
+    assert status == 200 and got == b"".join(events)
+    assert as_came == [_chunk(events[2]), _chunk(events[8]), _chunk(events[9])]
+
+    body = json.dumps({**BODY, "stream": True}).encode()
+    reader, writer = await asyncio.open_connection("127.0.0.1", gw.port)
+    writer.write(b"POST /v1/completions HTTP/1.0\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%b"
+                 % (len(body), body))
+    answer = await asyncio.wait_for(reader.read(), 10)
+    writer.close()
+    assert answer.split(b"\r\n\r\n", 1)[1] == b"".join(events)  # no chunk sizes: HTTP/1.0's body is the events
+    assert as_came[3:] == as_came[:3]  # the same reads taken whole, their framing left out
+
+
 async def test_answer_ending_at_a_reset_is_not_taken_as_complete(raw_replica: RawFactory,
                                                                  gateway_for: GatewayFactory) -> None:
     """An unframed answer cut short by a reset is a failed answer (502), not a complete one."""

@@ -7,7 +7,10 @@ so the odd cases are reached too.
 
 from __future__ import annotations
 
+import itertools
+
 import json
+import re
 from typing import Any
 
 from hypothesis import strategies as st
@@ -167,6 +170,40 @@ def replica_answers(draw: st.DrawFn) -> bytes:
     if status.startswith("100"):
         answer += draw(replica_answers())
     return answer
+
+
+@st.composite
+def chunked_streams(draw: st.DrawFn) -> tuple[bytes, Reply]:
+    """A well-formed SSE stream in chunks (sizes in either case, some with extensions), sent in reads cut mostly at
+    chunk boundaries (each read then one or more whole chunks, as vLLM's tokens arrive) and sometimes inside one;
+    with the body the client must get."""
+    events = draw(st.lists(st.sampled_from([b'data: {"choices": [{"index": 0, "text": " tok"}]}\n\n',
+                                            # cut after "data: ", the rest looks like a whole chunk of its own
+                                            b"data: 3\r\n2\n\n", b": keep-alive\n\n", b"data: [DONE]\n\n"]),
+                           min_size=1, max_size=8))
+    body = b"".join(events)
+    cuts = sorted(set(draw(st.lists(st.integers(1, len(body)), max_size=3))) | set(itertools.accumulate(map(len, events))))
+    chunks = []
+    for a, b in zip([0, *cuts], cuts):
+        size = draw(st.sampled_from([b"%x", b"%X", b"%04x"])) % (b - a)
+        chunks.append(size + draw(st.sampled_from([b"", b"", b";x=1"])) + b"\r\n" + body[a:b] + b"\r\n")
+    head = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+    wire = [head, *chunks, b"0\r\n\r\n"]
+    pieces, piece = [], b""
+    for part in wire:
+        piece += part
+        if draw(st.integers(0, 3)):  # a read ends here
+            pieces.append(piece)
+            piece = b""
+    pieces.append(piece)
+    inside = [p for p in pieces if p]
+    if draw(st.booleans()):  # one read cut inside
+        i = draw(st.integers(0, len(inside) - 1))
+        after_field = [m.end() for m in re.finditer(rb"data: ", inside[i])]
+        at = draw(st.sampled_from(after_field) if after_field and draw(st.booleans())
+                  else st.integers(1, max(1, len(inside[i]) - 1)))
+        inside[i:i + 1] = [inside[i][:at], inside[i][at:]] if len(inside[i]) > 1 else [inside[i]]
+    return body, Reply(tuple(inside), tuple(draw(st.sampled_from([0.0, 0.001])) for _ in inside))
 
 
 @st.composite
