@@ -277,7 +277,12 @@ class AdapterRouter:
         except BaseException:
             self.holdings.add_inflight(replica.url, spec.name, -1)
             raise
-        return AdapterLease(replica, info, self._router.wake, self.holdings)
+        lease = AdapterLease(replica, info, self._router.wake, self.holdings)
+        order = self._router.order
+        if order is not None:  # charged to its tenant as the router's leases are, and settled as they are
+            order.charge(info)
+            lease.charged = True
+        return lease
 
     async def _room(self, replica: Replica, info: RequestInfo, spec: AdapterSpec) -> None:
         """Wait for room on the replica: its admission caps still hold, as the admission queue would wait."""

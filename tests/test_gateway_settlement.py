@@ -101,3 +101,18 @@ async def test_a_retried_request_is_charged_once(fake_replica: FakeFactory, gate
     assert refusing.stats.bodies, "no request was tried on the refusing replica first"
     counter = gw.gateway.router.order.counters["a"]  # type: ignore[union-attr]
     assert counter == sum(5 + estimate(f"p{i}") for i in range(sent))
+
+
+async def test_adapter_requests_are_charged_and_settled(fake_replica: FakeFactory, gateway_for: GatewayFactory) -> None:
+    """A LoRA adapter's requests (their leases taken by gateway/lora.py, not the router's queue) count in their
+    tenant's virtual token counter as the base model's do: what they were served, plus their prompts."""
+    fake = await fake_replica(stop_after=5)
+    gw = await gateway_for([fake.url], tenants={"fair": True, "header": "x-tenant"},
+                           lora={"adapters": {"a1": "/adapters/a1"}, "max_loras": 2, "sync_s": 60})
+    async with httpx.AsyncClient(base_url=gw.base_url, timeout=30) as client:
+        for model, stream in (("a1", False), ("a1", True), ("fake-model", False)):
+            answer = await client.post("/completions", headers={"x-tenant": "a"},
+                                       json={"model": model, "prompt": "hi", "max_tokens": 40, "stream": stream})
+            assert answer.status_code == 200, answer.text
+    assert fake.stats.adapters == {"a1": "/adapters/a1"}
+    assert gw.gateway.router.order.counters["a"] == 5 + 6 + 5 + 3 * estimate("hi")  # type: ignore[union-attr]
