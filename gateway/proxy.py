@@ -24,7 +24,10 @@ from .router import Router
 from .server import Request, Responder, Response
 from .settlement import Settlement, completion_tokens
 from .tracing import PassThrough, RequestTrace, Tracing
-from .upstream import Origin, UpstreamPool, UpstreamResponse
+# Events relayed from the replica connection's callback are counted down on their lease TALLY_EVERY at a time (one
+# event a chunk: the connection counts the chunks). A stream's load reads at most that many tokens high meanwhile;
+# its end returns the rest at once. Counting and timing each event cost 5% of the gateway's CPU per paced event.
+from .upstream import TALLY_EVERY, Origin, UpstreamPool, UpstreamResponse
 from .watchdogs import Watch, Watchdogs
 
 logger = logging.getLogger(__name__)
@@ -33,10 +36,6 @@ Acquire = Callable[[RequestInfo, frozenset[str]], Awaitable[Lease]]
 _SSE_EVENT = b"data:"
 _RETRY_STATUSES = (502, 503)
 _MAX_HELD = 64 * 1024  # an SSE event longer than this is relayed in parts
-# Events relayed from the replica connection's callback are counted down on their lease this many at a time (one
-# event a chunk: the connection counts the chunks). A stream's load reads at most this many tokens high meanwhile;
-# its end returns the rest at once. Counting and timing each event cost 5% of the gateway's CPU per paced event.
-_COUNT_EVERY = 8
 
 
 class _Retryable(Exception):
@@ -246,24 +245,25 @@ class Proxy:
         failure = ""
         held = b""  # the start of an event still arriving: relayed once whole, so an error event never joins it
 
-        send_now, send_chunk_now, tokens = responder.send_now, responder.send_chunk_now, lease.tokens  # bound once
-        relayed = 0  # events relayed by the callback and not yet counted down on the lease
+        send_now, tokens = responder.send_now, lease.tokens  # bound once: called once per token
+        relayed = 0  # events relayed by relay_now and not yet counted down on the lease
 
-        def relay_now(part: bytes | None, events: int, wire: bytes | None) -> bool:
-            """Whole events, straight to a client that keeps up, from the replica connection's callback: a part, or
-            a whole chunk as the replica framed it (`wire`: sent without framing it again where the client takes
-            chunked encoding)."""
+        def relay_now(part: bytes, events: int) -> bool:
+            """Whole events, straight to a client that keeps up, from the replica connection's callback."""
             nonlocal relayed
-            if held or not (send_chunk_now(wire) if part is None else part.endswith(b"\n\n") and send_now(part)):
+            if held or not part.endswith(b"\n\n") or not send_now(part):
                 return False  # queued for the loop below, which waits for the client or completes the event
             relayed += events
-            if relayed >= _COUNT_EVERY:
+            if relayed >= TALLY_EVERY:
                 tokens(relayed)
                 relayed = 0
             watch.moved += 1
             return True
 
-        upstream.splice(relay_now)
+        # A read of one whole chunk (a token, usually) goes straight to the client as the replica framed it: the
+        # connection counts those reads, tallied on the lease TALLY_EVERY at a time and seen by the watchdog.
+        upstream.splice(relay_now, responder.send_chunk_now, tokens)
+        watch.source = upstream
         try:
             while data:
                 if held or not data.endswith(b"\n\n"):
@@ -292,6 +292,7 @@ class Proxy:
             failure = f"failed: {exc!r}"
         finally:
             upstream.splice(None)  # nothing more reaches the client behind this loop's back
+            relayed += upstream.relayed % TALLY_EVERY  # those not yet tallied
             if relayed:
                 lease.tokens(relayed)
         self._watchdogs.done(watch)

@@ -23,9 +23,9 @@ from urllib.parse import urlsplit
 
 import httptools
 
-# A body part as it arrived and how many chunks it held; or None, 1 and the read itself, one whole chunk of whole
-# events, as the replica framed it
-Sink = Callable[["bytes | None", int, "bytes | None"], bool]
+# A body part as it arrived and how many chunks it held
+Sink = Callable[[bytes, int], bool]
+TALLY_EVERY = 8
 _PAUSE_AT = 256 * 1024  # stop reading from a replica while this much of its answer waits for the client
 _REAP_EARLY_S = 0.001  # a timer may fire a hair early: a connection this close to idle_s is closed, not waited for
 
@@ -57,6 +57,10 @@ class Origin:
         return cls(scheme, host, port, (shown if port == default else f"{shown}:{port}").encode("idna"))
 
 
+def _ignore(count: int) -> None:
+    pass
+
+
 class _Connection(asyncio.Protocol):
     """One connection to a replica, carrying one request at a time."""
 
@@ -80,6 +84,9 @@ class _Connection(asyncio.Protocol):
         self._waiter: asyncio.Future[None] | None = None
         # Takes body parts as they arrive, in the protocol's callback, while nothing is queued (UpstreamResponse.splice)
         self.sink: Sink | None = None
+        self.whole: Callable[[bytes], bool] | None = None  # takes a read of one whole chunk as it came (splice)
+        self.tally: Callable[[int], None] = _ignore  # told of the reads `whole` took, TALLY_EVERY at a time
+        self.relayed = 0  # reads `whole` took since the sink was set
         self._gathered: list[bytes] | None = None  # body parts of one read, offered to the sink as one
         self._framed = False  # the answer has a length or chunked encoding (else it ends with the connection)
         self._chunked = False  # the answer has chunked encoding
@@ -100,19 +107,22 @@ class _Connection(asyncio.Protocol):
         self.transport.write(data)
 
     def data_received(self, data: bytes) -> None:
-        sink = self.sink
-        if sink is not None and self._aligned and not self.chunks and data.endswith(b"\n\n\r\n"):
-            # A streamed token's usual read: one whole chunk, one whole event, after a read that ended a chunk. Its
-            # size is read here, and the parser, which would end where it began (before a chunk's size), is skipped
-            # with its callback per token.
+        whole = self.whole
+        if whole is not None and self._aligned and not self.chunks and data.endswith(b"\n\n\r\n"):
+            # A streamed token's usual read: one whole chunk, one whole event, after a read that ended a chunk (so
+            # nothing is held back or queued before it). Its size is read here, and the parser, which would end
+            # where it began (before a chunk's size), is skipped with its callback per token.
             cut = data.find(b"\r\n")
-            if 0 < cut < 9:
-                size = len(data) - cut - 4
-                if b"%x" % size == data[:cut]:  # lower-case hex, as uvicorn (h11) and aiohttp write it
-                    if not sink(None, 1, data):  # declined: for readany
-                        self._queue(data[cut + 2:-2])
-                    return
+            if 0 < cut < 9 and b"%x" % (len(data) - cut - 4) == data[:cut]:  # lower-case hex, as h11 and aiohttp
+                if whole(data):
+                    relayed = self.relayed = self.relayed + 1
+                    if not relayed % TALLY_EVERY:
+                        self.tally(TALLY_EVERY)
+                else:
+                    self._queue(data[cut + 2:-2])  # declined: for readany
+                return
         self.received = True  # (a sink is only set once the head has come)
+        sink = self.sink
         # A read often holds several chunks (tokens that came out together): with a sink they reach it as one
         # part, one write to the client instead of one per chunk.
         gathered: list[bytes] | None = [] if sink is not None else None
@@ -128,7 +138,7 @@ class _Connection(asyncio.Protocol):
                          and gathered[-1].endswith(b"\n\n") and data.endswith(b"\n\n\r\n"))
         if sink is not None and gathered:
             body = gathered[0] if len(gathered) == 1 else b"".join(gathered)
-            if self.chunks or not sink(body, len(gathered), None):  # behind queued parts, or declined: for readany
+            if self.chunks or not sink(body, len(gathered)):  # behind queued parts, or declined: for readany
                 self._queue(body)
         if error is not None:
             self._fail(ConnectionError(f"malformed HTTP from the replica: {error}"))
@@ -259,19 +269,31 @@ class UpstreamResponse:
         """The next part of the body that has arrived; b"" at its end."""
         return await self._conn.next_chunk()
 
-    def splice(self, sink: Sink | None) -> None:
+    @property
+    def relayed(self) -> int:
+        """Reads of one whole chunk that `splice`'s `whole` took (tallied TALLY_EVERY at a time)."""
+        return self._conn.relayed
+
+    def splice(self, sink: Sink | None, whole: Callable[[bytes], bool] | None = None,
+               tally: Callable[[int], None] | None = None) -> None:
         """From now on offer each part of the body to `sink` as it arrives, before any `readany` (None: stop).
 
         A part is what one read brought, its chunks joined; the sink is told how many chunks (a replica streaming
-        server-sent events writes one event a chunk, so this counts them without searching the bytes). A read of
-        one whole chunk ending in a whole event is offered instead as it came, with its framing (`sink(None, 1,
-        read)`): a client taking chunked encoding can be given those bytes as they are.
+        server-sent events writes one event a chunk, so this counts them without searching the bytes).
+
+        `whole`, if given, is offered instead each read of one whole chunk ending in a whole event that follows a
+        read that ended a chunk, as it came (size line and CRLF included): a client taking chunked encoding can be
+        given those bytes as they are. The reads it takes are counted in `relayed`, and told to `tally` every
+        TALLY_EVERY (so a streamed token costs one call: `whole`'s).
 
         A part the sink takes (it returns True) is never seen by `readany`; one it declines is queued, and later parts
         are queued behind it until `readany` has taken them all, so the order holds. A streamed answer's parts then
         reach the client from the protocol's callback, without waking the relaying task once per token.
         """
-        self._conn.sink = sink
+        conn = self._conn
+        conn.sink, conn.whole, conn.tally = sink, whole if sink is not None else None, tally or _ignore
+        if sink is not None:
+            conn.relayed = 0
 
     async def read(self) -> bytes:
         """The whole body."""

@@ -3,16 +3,23 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Protocol
+
+
+class Counted(Protocol):
+    @property
+    def relayed(self) -> int: ...
 
 
 class Watch:
     """One request's timeout: `limit` seconds allowed since `last` (its latest sign of progress).
 
-    Where progress comes once per token, it is counted in `moved` instead (no clock read per token): a tick that
-    finds `moved` changed takes its own time as the latest progress, so such a timeout fires up to one tick later.
+    Where progress comes once per token, it is counted in `moved` instead (no clock read per token), or in the
+    `relayed` of `source` (a replica's answer relaying from its connection): a tick that finds either changed takes
+    its own time as the latest progress, so such a timeout fires up to one tick later.
     """
 
-    __slots__ = ("task", "limit", "last", "expired", "paused", "moved", "_seen")
+    __slots__ = ("task", "limit", "last", "expired", "paused", "moved", "source", "_seen")
 
     def __init__(self, task: asyncio.Task[object] | None, limit: float, now: float) -> None:
         self.task = task
@@ -21,13 +28,16 @@ class Watch:
         self.expired = False
         self.paused = False
         self.moved = 0
+        self.source: Counted | None = None
         self._seen = 0
 
     def progressed(self, now: float) -> bool:
-        """Whether `moved` changed since the last call; if so, `now` becomes the latest progress."""
-        if self.moved == self._seen:
+        """Whether `moved` (or the source's count) changed since the last call; if so, `now` becomes the latest
+        progress."""
+        moved = self.moved if self.source is None else self.moved + self.source.relayed
+        if moved == self._seen:
             return False
-        self._seen = self.moved
+        self._seen = moved
         self.last = now
         return True
 
