@@ -270,33 +270,21 @@ class AdapterRouter:
         # In flight from the choice on (no await in between): a request waiting for its adapter's load, or for room,
         # keeps the adapter from being unloaded meanwhile (by this worker or another); the lease takes it over.
         self.holdings.add_inflight(replica.url, spec.name, 1)
+        made: list[AdapterLease] = []
+
+        def make(chosen: Replica) -> AdapterLease:
+            made.append(AdapterLease(chosen, info, self._router.wake, self.holdings))
+            return made[-1]
         try:
             if not self.holdings.held(replica.url, spec.name):
                 await self.ensure(replica, spec, deadline)
-            await self._room(replica, info, spec)
+            # Room on that replica, through the router's admission queue: in its order (priority, the tenant's
+            # virtual token counter) among every waiting request, charged and settled as the router's leases are.
+            return await self._router.acquire_on(replica, info, make)
         except BaseException:
-            self.holdings.add_inflight(replica.url, spec.name, -1)
+            if not made:  # else the lease took the count over, and gave it back when it was released unused
+                self.holdings.add_inflight(replica.url, spec.name, -1)
             raise
-        lease = AdapterLease(replica, info, self._router.wake, self.holdings)
-        order = self._router.order
-        if order is not None:  # charged to its tenant as the router's leases are, and settled as they are
-            order.charge(info)
-            lease.charged = True
-        return lease
-
-    async def _room(self, replica: Replica, info: RequestInfo, spec: AdapterSpec) -> None:
-        """Wait for room on the replica: its admission caps still hold, as the admission queue would wait."""
-        loop = asyncio.get_running_loop()
-        cost = info.prompt_tokens + info.max_tokens
-        queue_deadline = loop.time() + self._router.queue.max_wait_s
-        while True:
-            replica.refresh()
-            if replica.has_room(cost):
-                return
-            if not replica.healthy or self._router.queue.max_size == 0 or loop.time() >= queue_deadline:
-                raise GatewayError(429, f"the replica holding adapter `{spec.name}` is at its cap; retry later",
-                                   code="rate_limit_exceeded", headers={"Retry-After": "1"})
-            await asyncio.sleep(WAIT_POLL_S)
 
     async def ensure(self, replica: Replica, spec: AdapterSpec, deadline: float) -> None:
         """The adapter loaded on the replica: one load however many requests wait for it."""

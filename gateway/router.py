@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import math
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from .config import QueueConfig, ReplicaConfig
@@ -30,12 +30,22 @@ from .replicas import Lease, Replica
 
 QUEUE_POLL_S = 0.01  # while requests wait: how often to look for room freed by other workers or the feedback
 
+MakeLease = Callable[[Replica], Lease]  # a lease of the caller's kind on a replica it chose (acquire_on)
+
+
 @dataclass
 class _Waiter:
     info: RequestInfo
     exclude: frozenset[str]
     future: asyncio.Future[Lease]
     seq: int = 0
+    on: Replica | None = None  # the replica the caller chose (acquire_on), else the policy picks
+    make: MakeLease | None = None
+
+    @property
+    def kind(self) -> tuple[str, frozenset[str], str]:
+        """Waiters of one kind find room, or none, alike (`wake` skips the rest of a kind that found none)."""
+        return self.info.model, self.exclude, "" if self.on is None else self.on.url
 
 
 class Router:
@@ -110,18 +120,29 @@ class Router:
         return GatewayError(503, f"{reason}{what}; try again shortly", code="no_replica_available",
                             headers={"Retry-After": "1"})
 
-    def try_acquire(self, info: RequestInfo, exclude: frozenset[str] = frozenset()) -> Lease | None:
-        """A lease on a replica with room now, or None when every candidate is at its cap."""
-        candidates = self._candidates(info, exclude)
-        if not candidates:
-            raise self._no_candidate(info, exclude)
+    def try_acquire(self, info: RequestInfo, exclude: frozenset[str] = frozenset(), on: Replica | None = None,
+                    make: MakeLease | None = None) -> Lease | None:
+        """A lease on a replica with room now, or None when every candidate is at its cap (`on`, `make`: see
+        `acquire_on`)."""
         cost = info.prompt_tokens + info.max_tokens
         order = self.order
         reserve = 0 if order is None else order.reserve(info)
-        open_ = [r for r in candidates if r.has_room(cost, reserve)]
-        if not open_:
-            return None
-        lease = Lease(self.model_policies.get(info.model, self.policy).pick(open_, info), info, self.wake)
+        if on is not None:
+            if not on.healthy or on.draining:
+                raise GatewayError(503, f"replica {on.url} is no longer serving; try again shortly",
+                                   code="no_replica_available", headers={"Retry-After": "1"})
+            on.refresh()
+            if not on.has_room(cost, reserve):
+                return None
+            lease = make(on) if make is not None else Lease(on, info, self.wake)
+        else:
+            candidates = self._candidates(info, exclude)
+            if not candidates:
+                raise self._no_candidate(info, exclude)
+            open_ = [r for r in candidates if r.has_room(cost, reserve)]
+            if not open_:
+                return None
+            lease = Lease(self.model_policies.get(info.model, self.policy).pick(open_, info), info, self.wake)
         if order is not None:
             order.charge(info)
             lease.charged = True
@@ -131,12 +152,20 @@ class Router:
         """A lease at once when nobody is queued and a replica has room (the common case; no coroutine), else None."""
         return None if self._waiters else self.try_acquire(info, exclude)
 
-    async def acquire(self, info: RequestInfo, exclude: frozenset[str] = frozenset()) -> Lease:
+    async def acquire_on(self, replica: Replica, info: RequestInfo, make: MakeLease) -> Lease:
+        """A lease on `replica`, which the caller chose (a LoRA adapter's: gateway/lora.py), made by `make`: at once
+        where it has room and nobody waits, else in the admission queue, in its order (priority, fairness) among
+        the other waiters, until `replica` has room."""
+        return await self.acquire(info, on=replica, make=make)
+
+    async def acquire(self, info: RequestInfo, exclude: frozenset[str] = frozenset(), *, on: Replica | None = None,
+                      make: MakeLease | None = None) -> Lease:
         """A lease, waiting in the admission queue if need be; 429 when the queue is full or waited too long."""
-        lease = self.lease_now(info, exclude)  # FIFO: only when nobody is queued
-        if lease is not None:
-            return lease
-        if self._waiters and not self._candidates(info, exclude):
+        if not self._waiters:  # FIFO: only when nobody is queued
+            lease = self.try_acquire(info, exclude, on, make)
+            if lease is not None:
+                return lease
+        elif on is None and not self._candidates(info, exclude):
             raise self._no_candidate(info, exclude)
         model: str | None = info.model
         queue = self.model_queues.get(info.model)
@@ -149,7 +178,7 @@ class Router:
             raise GatewayError(429, f"{reason}; retry later", code="rate_limit_exceeded",
                                headers={"Retry-After": "1"})
         self._seq += 1
-        waiter = _Waiter(info, exclude, asyncio.get_running_loop().create_future(), self._seq)
+        waiter = _Waiter(info, exclude, asyncio.get_running_loop().create_future(), self._seq, on, make)
         self._waiters.append(waiter)
         if self.order is not None:
             self.order.arrive(info)
@@ -221,16 +250,16 @@ class Router:
             self._wake_ordered(self.order)
             return
         served = []
-        blocked: set[tuple[str, frozenset[str]]] = set()
+        blocked: set[tuple[str, frozenset[str], str]] = set()
         for waiter in self._waiters:
-            key = (waiter.info.model, waiter.exclude)
+            key = waiter.kind
             if waiter.future.done():
                 served.append(waiter)
                 continue
             if key in blocked:
                 continue
             try:
-                lease = self.try_acquire(waiter.info, waiter.exclude)
+                lease = self.try_acquire(waiter.info, waiter.exclude, waiter.on, waiter.make)
             except GatewayError as exc:
                 waiter.future.set_exception(exc)
                 served.append(waiter)
@@ -245,13 +274,13 @@ class Router:
 
     def _wake_ordered(self, order: QueueOrder) -> None:
         """`wake` in the order's order, asked afresh after each lease (a lease changes its tenant's place)."""
-        blocked: set[tuple[str, frozenset[str], int]] = set()  # a waiter kept out of the headroom blocks only its kind
+        blocked: set[tuple[tuple[str, frozenset[str], str], int]] = set()  # one kept out of the headroom blocks its kind
         for waiter in [w for w in self._waiters if w.future.done()]:
             self._leave(waiter)
         while True:
             best, best_key = None, None
             for waiter in self._waiters:
-                if (waiter.info.model, waiter.exclude, order.reserve(waiter.info)) in blocked:
+                if (waiter.kind, order.reserve(waiter.info)) in blocked:
                     continue
                 key = order.key(waiter.info, waiter.seq)
                 if best_key is None or key < best_key:
@@ -259,13 +288,13 @@ class Router:
             if best is None:
                 return
             try:
-                lease = self.try_acquire(best.info, best.exclude)
+                lease = self.try_acquire(best.info, best.exclude, best.on, best.make)
             except GatewayError as exc:
                 best.future.set_exception(exc)
                 self._leave(best)
                 continue
             if lease is None:
-                blocked.add((best.info.model, best.exclude, order.reserve(best.info)))
+                blocked.add((best.kind, order.reserve(best.info)))
             else:
                 best.future.set_result(lease)
                 self._leave(best)

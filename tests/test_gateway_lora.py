@@ -14,7 +14,8 @@ from gateway.config import AdapterSpec, ConfigError, LoraConfig, from_mapping, t
 from gateway.lora import SharedHoldings
 from gateway.metrics import CounterStore
 from gateway.table import LoadTable
-from tests.conftest import Fake, FakeFactory, GatewayFactory, GatewayUnderTest
+from gateway.parsing import RequestInfo
+from tests.conftest import Fake, FakeFactory, GatewayFactory, GatewayUnderTest, until
 from tests.test_gateway_workers import ServeFactory, serve  # noqa: F401 (the fixture)
 
 ADAPTERS = {f"a{i}": f"/adapters/a{i}" for i in range(4)}
@@ -321,3 +322,70 @@ def test_config_registry() -> None:
         LoraConfig(max_loras=0)
     with pytest.raises(ConfigError, match="unknown key"):
         from_mapping({"replicas": ["http://r:1"], "lora": {"adapter": {}}})
+
+
+async def test_adapter_requests_wait_in_the_queue_order(fake_replica: FakeFactory, gateway_for: GatewayFactory) -> None:
+    """One slot, held; a tenant queues eight base-model requests, then another tenant two adapter requests and an
+    urgent adapter request comes: the queue's order (priority, then tokens served by tenant) places the adapter
+    requests among the waiters as it places any other, instead of leaving them to find a free slot by chance."""
+    fake = await fake_replica(itl_s=0.005)
+    gw = await gateway_for([{"url": fake.url, "max_requests": 1}], queue={"max_size": 20, "max_wait_s": 10},
+                           tenants={"fair": True, "header": "x-tenant"}, lora=lora(),
+                           priority={"enabled": True, "bands": {"interactive": 0, "batch": 10}})
+    async with aiohttp.ClientSession() as session:
+        async def send(tenant: str, model: str, tag: str, tokens: int = 4, band: str = "batch") -> int:
+            body = {"model": model, "prompt": tag, "max_tokens": tokens}
+            async with session.post(gw.base_url + "/completions", json=body,
+                                    headers={"x-tenant": tenant, "x-priority": band}) as resp:
+                await resp.read()
+                return resp.status
+        assert await send("light", "a1", "load") == 200  # the adapter is loaded before the queue forms
+        holder = asyncio.create_task(send("heavy", "fake-model", "holder", 100))  # 0.5 s: all queue behind it
+        await asyncio.sleep(0.1)
+        heavy = [asyncio.create_task(send("heavy", "fake-model", f"h{i}")) for i in range(8)]
+        await asyncio.sleep(0.05)
+        light = [asyncio.create_task(send("light", "a1", f"l{i}")) for i in range(2)]
+        await asyncio.sleep(0.05)
+        urgent = asyncio.create_task(send("heavy", "a1", "urgent", band="interactive"))
+        statuses = await asyncio.gather(holder, *heavy, *light, urgent)
+    assert statuses == [200] * 12
+    prompts = [b["prompt"] for b in fake.stats.bodies][1:]  # after the adapter's first request
+    assert prompts[:2] == ["holder", "urgent"], prompts  # the urgent one first, though it came last
+    assert prompts.index("l0") <= 3 and prompts.index("l1") <= 5, prompts  # light interleaves with heavy
+    assert gw.gateway.router.queue_depth == 0
+    assert gw.gateway.adapters is not None and gw.gateway.adapters.holdings.inflight(fake.url, "a1") == 0
+
+
+async def test_an_adapter_request_that_leaves_the_queue_gives_its_count_back(fake_replica: FakeFactory,
+                                                                             gateway_for: GatewayFactory) -> None:
+    """A queued adapter request whose client goes away, and one given a slot in the same moment it went: the
+    adapter's count in flight (which keeps it from being unloaded) comes back to 0 either way, not below."""
+    fake = await fake_replica(itl_s=0.005)
+    gw = await gateway_for([{"url": fake.url, "max_requests": 1}], queue={"max_size": 20, "max_wait_s": 10},
+                           lora=lora())
+    assert gw.gateway.adapters is not None
+    holdings, router = gw.gateway.adapters.holdings, gw.gateway.router
+    async with aiohttp.ClientSession() as session:
+        assert (await complete(session, gw, "a1"))[0] == 200
+        holder = asyncio.create_task(complete(session, gw, "fake-model", max_tokens=40))
+        await asyncio.sleep(0.1)
+        gone = asyncio.create_task(complete(session, gw, "a1"))
+        await until(lambda: router.queue_depth == 1)
+        assert holdings.inflight(fake.url, "a1") == 1
+        gone.cancel()
+        await until(lambda: router.queue_depth == 0)
+        assert (await holder)[0] == 200
+    await until(lambda: holdings.inflight(fake.url, "a1") == 0)
+    assert holdings.inflight(fake.url, "a1") == 0
+
+    # given its lease by the queue, then cancelled before it ran: the lease gives the count back, once
+    replica = router.replicas[fake.url]
+    held = router.try_acquire(RequestInfo("fake-model", 1, 1, False))
+    assert held is not None
+    task = asyncio.create_task(gw.gateway.adapters.acquire(RequestInfo("a1", 1, 1, False)))
+    await until(lambda: router.queue_depth == 1)
+    held.release()  # the queue hands the waiter its lease (the future is set) ...
+    task.cancel()  # ... and the request is cancelled before it resumes
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert holdings.inflight(replica.url, "a1") == 0
