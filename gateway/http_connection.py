@@ -78,16 +78,21 @@ class Connection(ResponseWriter):
         self._timer = self._loop.call_at(self._timer_at, self._check)
         self.closing = False
         self._lost = False
+        # The transport while a write goes out at once (not closing, the client not behind), else None: checked by
+        # a replica connection relaying tokens straight to this one (upstream.py, UpstreamResponse.relay_to)
+        self.open_transport: asyncio.Transport | None = None
 
     # -- asyncio.Protocol -------------------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = cast(asyncio.Transport, transport)  # uvloop's transports are not asyncio.Transport subclasses
+        self.open_transport = self._transport
         self._server.connections.add(self)
         if self._new:
             self._server.headless[self] = None
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closing = self._lost = True
+        self.open_transport = None
         self._timer.cancel()
         self._server.connections.discard(self)
         if self._new:
@@ -99,10 +104,12 @@ class Connection(ResponseWriter):
 
     def pause_writing(self) -> None:
         self._paused_at = self._loop.time()
+        self.open_transport = None
         self._watch()
 
     def resume_writing(self) -> None:
         self._paused_at = None
+        self.open_transport = None if self.closing else self._transport
         self._wake_writer()
 
     # -- serving ----------------------------------------------------------------------------------------------
@@ -222,6 +229,7 @@ class Connection(ResponseWriter):
     def _closing(self) -> None:
         if not self.closing:
             self.closing = True
+            self.open_transport = None
             self._closed_at = self._loop.time()
             if self._new:
                 self._left_headless()

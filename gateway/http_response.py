@@ -82,17 +82,10 @@ class Responder:
             return False
         return self._conn.write_now(self._framed(data))
 
-    def send_chunk_now(self, chunk: bytes) -> bool:
-        """`send_now` for one chunk as a replica framed it (chunk size, data, CRLF): relayed as it came where the
-        client takes chunked encoding, its data alone to an HTTP/1.0 one. It runs once per streamed token."""
-        conn = self._conn
-        if self._head or conn.closing or conn._paused_at is not None:
-            return False
-        transport = conn._transport
-        if transport is None:
-            return False
-        transport.write(chunk if self._request.http11 else chunk[chunk.index(b"\r\n") + 2:-2])
-        return True
+    def chunked_target(self) -> ResponseWriter | None:
+        """The client connection, once the head has gone, where the body is in chunked encoding (HTTP/1.1): a
+        replica's chunks can then be written to its `open_transport` as they came."""
+        return self._conn if self.started and not self._head and self._request.http11 else None
 
     async def finish(self) -> None:
         """End a streamed response (the head too, if no chunk was sent), unless its last chunk ended it."""
@@ -112,6 +105,7 @@ class ResponseWriter(RequestReader):
     _drain: asyncio.Future[None] | None
     _paused_at: float | None
     closing: bool
+    open_transport: asyncio.Transport | None  # while a write goes out at once (http_connection.Connection)
 
     async def _answer(self, request: Request) -> None:
         responder = Responder(self, request)

@@ -260,10 +260,12 @@ class Proxy:
             watch.moved += 1
             return True
 
-        # A read of one whole chunk (a token, usually) goes straight to the client as the replica framed it: the
-        # connection counts those reads, tallied on the lease TALLY_EVERY at a time and seen by the watchdog.
-        upstream.splice(relay_now, responder.send_chunk_now, tokens)
+        # Once the head has gone, a read of one whole chunk (a token, usually) goes straight to the client as the
+        # replica framed it (relay_to): the connection counts those reads, tallied on the lease TALLY_EVERY at a
+        # time and seen by the watchdog.
+        upstream.splice(relay_now, tokens)
         watch.source = upstream
+        direct = False  # reads of one whole chunk written straight to the client, once its head has gone
         try:
             while data:
                 if held or not data.endswith(b"\n\n"):
@@ -277,6 +279,9 @@ class Proxy:
                     watch.paused = True  # a slow client is not a stalled replica
                     await responder.send(data, last=last)
                     watch.paused = False
+                    if not direct and (target := responder.chunked_target()) is not None:
+                        upstream.relay_to(target)
+                        direct = True
                 data = await upstream.readany()
                 watch.last = loop.time()
             if held:

@@ -18,7 +18,7 @@ import ssl
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import cast
+from typing import Protocol, cast
 from urllib.parse import urlsplit
 
 import httptools
@@ -57,6 +57,12 @@ class Origin:
         return cls(scheme, host, port, (shown if port == default else f"{shown}:{port}").encode("idna"))
 
 
+class Direct(Protocol):
+    """A client connection a replica's chunks can be written to as they came (http_connection.Connection)."""
+
+    open_transport: asyncio.Transport | None
+
+
 def _ignore(count: int) -> None:
     pass
 
@@ -84,9 +90,9 @@ class _Connection(asyncio.Protocol):
         self._waiter: asyncio.Future[None] | None = None
         # Takes body parts as they arrive, in the protocol's callback, while nothing is queued (UpstreamResponse.splice)
         self.sink: Sink | None = None
-        self.whole: Callable[[bytes], bool] | None = None  # takes a read of one whole chunk as it came (splice)
-        self.tally: Callable[[int], None] = _ignore  # told of the reads `whole` took, TALLY_EVERY at a time
-        self.relayed = 0  # reads `whole` took since the sink was set
+        self.direct: Direct | None = None  # a client connection to write a read of one whole chunk to (relay_to)
+        self.tally: Callable[[int], None] = _ignore  # told of the reads written there, TALLY_EVERY at a time
+        self.relayed = 0  # reads written to `direct` since the sink was set
         self._gathered: list[bytes] | None = None  # body parts of one read, offered to the sink as one
         self._framed = False  # the answer has a length or chunked encoding (else it ends with the connection)
         self._chunked = False  # the answer has chunked encoding
@@ -107,19 +113,21 @@ class _Connection(asyncio.Protocol):
         self.transport.write(data)
 
     def data_received(self, data: bytes) -> None:
-        whole = self.whole
-        if whole is not None and self._aligned and not self.chunks and data.endswith(b"\n\n\r\n"):
+        direct = self.direct
+        if direct is not None and self._aligned and not self.chunks and data.endswith(b"\n\n\r\n"):
             # A streamed token's usual read: one whole chunk, one whole event, after a read that ended a chunk (so
             # nothing is held back or queued before it). Its size is read here, and the parser, which would end
             # where it began (before a chunk's size), is skipped with its callback per token.
             cut = data.find(b"\r\n")
             if 0 < cut < 9 and b"%x" % (len(data) - cut - 4) == data[:cut]:  # lower-case hex, as h11 and aiohttp
-                if whole(data):
+                transport = direct.open_transport
+                if transport is not None:
+                    transport.write(data)
                     relayed = self.relayed = self.relayed + 1
                     if not relayed % TALLY_EVERY:
                         self.tally(TALLY_EVERY)
                 else:
-                    self._queue(data[cut + 2:-2])  # declined: for readany
+                    self._queue(data[cut + 2:-2])  # the client is behind, or gone: for readany
                 return
         self.received = True  # (a sink is only set once the head has come)
         sink = self.sink
@@ -134,7 +142,7 @@ class _Connection(asyncio.Protocol):
             error = exc
         self._gathered = None
         # Whether this read ended a chunk: its last body bytes end an event and the chunk's CRLF follows at once.
-        self._aligned = (sink is not None and bool(gathered) and self._chunked and not self.complete
+        self._aligned = (gathered is not None and len(gathered) > 0 and self._chunked and not self.complete
                          and gathered[-1].endswith(b"\n\n") and data.endswith(b"\n\n\r\n"))
         if sink is not None and gathered:
             body = gathered[0] if len(gathered) == 1 else b"".join(gathered)
@@ -271,27 +279,31 @@ class UpstreamResponse:
 
     @property
     def relayed(self) -> int:
-        """Reads of one whole chunk that `splice`'s `whole` took (tallied TALLY_EVERY at a time)."""
+        """Reads of one whole chunk written straight to the client (`relay_to`; tallied TALLY_EVERY at a time)."""
         return self._conn.relayed
 
-    def splice(self, sink: Sink | None, whole: Callable[[bytes], bool] | None = None,
-               tally: Callable[[int], None] | None = None) -> None:
+    def relay_to(self, target: Direct) -> None:
+        """While a sink is set, write each read of one whole chunk ending in a whole event that follows a read
+        that ended a chunk to `target.open_transport` as it came (size line and CRLF included), with no call: the
+        target takes chunked encoding and its head has gone. Where it is None the read is queued for `readany`."""
+        if self._conn.sink is not None:
+            self._conn.direct = target
+
+    def splice(self, sink: Sink | None, tally: Callable[[int], None] | None = None) -> None:
         """From now on offer each part of the body to `sink` as it arrives, before any `readany` (None: stop).
 
         A part is what one read brought, its chunks joined; the sink is told how many chunks (a replica streaming
         server-sent events writes one event a chunk, so this counts them without searching the bytes).
 
-        `whole`, if given, is offered instead each read of one whole chunk ending in a whole event that follows a
-        read that ended a chunk, as it came (size line and CRLF included): a client taking chunked encoding can be
-        given those bytes as they are. The reads it takes are counted in `relayed`, and told to `tally` every
-        TALLY_EVERY (so a streamed token costs one call: `whole`'s).
+        Reads written straight to a client (`relay_to`) are counted in `relayed`, and told to `tally` every
+        TALLY_EVERY.
 
         A part the sink takes (it returns True) is never seen by `readany`; one it declines is queued, and later parts
         are queued behind it until `readany` has taken them all, so the order holds. A streamed answer's parts then
         reach the client from the protocol's callback, without waking the relaying task once per token.
         """
         conn = self._conn
-        conn.sink, conn.whole, conn.tally = sink, whole if sink is not None else None, tally or _ignore
+        conn.sink, conn.direct, conn.tally = sink, None, tally or _ignore
         if sink is not None:
             conn.relayed = 0
 

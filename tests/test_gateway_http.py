@@ -28,7 +28,7 @@ from aiohttp import web
 from gateway import server as server_module
 from gateway.http_response import ResponseWriter
 from gateway.server import HttpServer, Request, Responder, Response
-from gateway.upstream import Origin, UpstreamPool
+from gateway.upstream import Origin, UpstreamPool, UpstreamResponse
 from tests.conftest import FakeFactory, GatewayFactory
 from tests.fake_replica import FakeBehavior
 from tests.fake_replica import make_app as make_fake
@@ -950,8 +950,8 @@ async def test_stream_relays_the_replicas_chunks_as_they_came(raw_replica: RawFa
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """A read of one whole chunk holding whole events, after a read that ended a chunk, goes to an HTTP/1.1 client
     as the replica framed it (no parsing, no framing of our own); any other read is parsed and framed by the
-    gateway. Either way the client gets every event once, in order, over HTTP/1.1 and over HTTP/1.0 (which gets no
-    chunked framing)."""
+    gateway, and so is every read for an HTTP/1.0 client (no chunked encoding). Either way the client gets every
+    event once, in order."""
     events = [b"data: %d\n\n" % i for i in range(12)]
     events[10:10] = [b"data: 4\r\nzz\n\n"]  # its chunk's second half looks like a whole chunk ("4\r\nzz\n\n\r\n")
     split, look_alike = _chunk(events[5]), _chunk(events[10])
@@ -969,20 +969,19 @@ async def test_stream_relays_the_replicas_chunks_as_they_came(raw_replica: RawFa
              _chunk(events[12]) + b"0\r\n\r\n")
     replica = await raw_replica(lambda method, path, n: (parts, False))
     gw = await gateway_for([replica.url])
-    as_came: list[bytes] = []
-    original = Responder.send_chunk_now
+    direct: list[int] = []  # per answer: the reads written straight to the client
+    original = UpstreamResponse.splice
 
-    def spied(self: Responder, wire: bytes) -> bool:
-        written = original(self, wire)
-        if written:
-            as_came.append(wire)
-        return written
+    def spied(self: UpstreamResponse, sink: Any, tally: Any = None) -> None:
+        if sink is None:
+            direct.append(self.relayed)
+        original(self, sink, tally)
 
-    monkeypatch.setattr(Responder, "send_chunk_now", spied)
+    monkeypatch.setattr(UpstreamResponse, "splice", spied)
     async with aiohttp.ClientSession() as session:
         status, got = await post_completion(session, gw.url, stream=True)
     assert status == 200 and got == b"".join(events)
-    assert as_came == [_chunk(events[2]), _chunk(events[8]), _chunk(events[9])]
+    assert direct == [3]  # the reads of events 2, 8 and 9
 
     body = json.dumps({**BODY, "stream": True}).encode()
     reader, writer = await asyncio.open_connection("127.0.0.1", gw.port)
@@ -991,7 +990,55 @@ async def test_stream_relays_the_replicas_chunks_as_they_came(raw_replica: RawFa
     answer = await asyncio.wait_for(reader.read(), 10)
     writer.close()
     assert answer.split(b"\r\n\r\n", 1)[1] == b"".join(events)  # no chunk sizes: HTTP/1.0's body is the events
-    assert as_came[3:] == as_came[:3]  # the same reads taken whole, their framing left out
+    assert direct == [3, 0]  # an HTTP/1.0 client's body has no chunks to write as they came
+
+
+async def test_chunks_written_as_they_came_respect_back_pressure() -> None:
+    """The client's `open_transport`, which a replica connection writes whole chunks to with no call in between,
+    is there only while a write goes out at once: None while the client is behind or the connection closing; and
+    a whole chunk that finds it None waits for `readany`, in order, instead of being written."""
+    from gateway.upstream import _Connection as Upstream
+    from tests.fuzz.harness import MemoryTransport
+
+    async def nothing(request: Request, responder: Responder) -> Response:
+        return Response(200)
+    client = server_module._Connection(HttpServer(nothing, 1024))
+    transport = MemoryTransport(client)
+    client.connection_made(transport)
+    assert client.open_transport is transport
+    client.pause_writing()
+    assert client.open_transport is None
+    client.resume_writing()
+    assert client.open_transport is transport
+    client.close()
+    assert client.open_transport is None
+    client.resume_writing()
+    assert client.open_transport is None  # closing: it stays None
+
+    class Target:
+        open_transport: Any = None
+    pool = UpstreamPool(connect_s=1)
+    replica = Upstream(pool, Origin.from_url("http://r:80"))
+    replica_side = MemoryTransport(replica)
+    replica.connection_made(replica_side)
+    replica.send(b"POST / HTTP/1.1\r\n\r\n")
+    replica.data_received(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+    response = UpstreamResponse(replica, pool)
+    target = Target()
+    taken: list[bytes] = []
+    response.splice(lambda part, events: taken.append(part) is None)  # the sink takes what is parsed
+    response.relay_to(target)
+    out = MemoryTransport(client)
+    for i in range(4):
+        target.open_transport = out if i % 2 else None
+        replica.data_received(_chunk(b"data: %d\n\n" % i))
+    # 0 is parsed (nothing before it ended a chunk), 1 goes out as it came, 2 waits (the client is behind), and 3,
+    # though the client has caught up, waits behind 2
+    assert taken == [b"data: 0\n\n"]
+    assert bytes(out.written) == _chunk(b"data: 1\n\n")
+    assert await response.readany() == b"data: 2\n\ndata: 3\n\n"
+    assert response.relayed == 1
+    pool.close()
 
 
 async def test_answer_ending_at_a_reset_is_not_taken_as_complete(raw_replica: RawFactory,
