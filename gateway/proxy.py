@@ -24,9 +24,6 @@ from .router import Router
 from .server import Request, Responder, Response
 from .settlement import Settlement, completion_tokens
 from .tracing import PassThrough, RequestTrace, Tracing
-# Events relayed from the replica connection's callback are counted down on their lease TALLY_EVERY at a time (one
-# event a chunk: the connection counts the chunks). A stream's load reads at most that many tokens high meanwhile;
-# its end returns the rest at once. Counting and timing each event cost 5% of the gateway's CPU per paced event.
 from .upstream import TALLY_EVERY, Origin, UpstreamPool, UpstreamResponse
 from .watchdogs import Watch, Watchdogs
 

@@ -148,9 +148,10 @@ class Router:
             lease.charged = True
         return lease
 
-    def lease_now(self, info: RequestInfo, exclude: frozenset[str] = frozenset()) -> Lease | None:
+    def lease_now(self, info: RequestInfo, exclude: frozenset[str] = frozenset(), on: Replica | None = None,
+                  make: MakeLease | None = None) -> Lease | None:
         """A lease at once when nobody is queued and a replica has room (the common case; no coroutine), else None."""
-        return None if self._waiters else self.try_acquire(info, exclude)
+        return None if self._waiters else self.try_acquire(info, exclude, on, make)
 
     async def acquire_on(self, replica: Replica, info: RequestInfo, make: MakeLease) -> Lease:
         """A lease on `replica`, which the caller chose (a LoRA adapter's: gateway/lora.py), made by `make`: at once
@@ -161,11 +162,10 @@ class Router:
     async def acquire(self, info: RequestInfo, exclude: frozenset[str] = frozenset(), *, on: Replica | None = None,
                       make: MakeLease | None = None) -> Lease:
         """A lease, waiting in the admission queue if need be; 429 when the queue is full or waited too long."""
-        if not self._waiters:  # FIFO: only when nobody is queued
-            lease = self.try_acquire(info, exclude, on, make)
-            if lease is not None:
-                return lease
-        elif on is None and not self._candidates(info, exclude):
+        lease = self.lease_now(info, exclude, on, make)  # FIFO: only when nobody is queued
+        if lease is not None:
+            return lease
+        if self._waiters and on is None and not self._candidates(info, exclude):
             raise self._no_candidate(info, exclude)
         model: str | None = info.model
         queue = self.model_queues.get(info.model)
