@@ -56,6 +56,7 @@ import yaml
 from .common import figure_path, machine_speed, markdown_table, pyplot, save
 from .sim_vs_real_inflight import inflight_lines
 from .sim_vs_real_ranking import ranking_lines
+from .sim_vs_real_steps import steps_lines
 
 POLICIES = ("prefix_affinity", "least_outstanding_tokens", "least_requests", "round_robin")
 CHAT_POLICIES = ("prefix_affinity", "consistent_hash", "least_outstanding_tokens", "round_robin")
@@ -146,19 +147,35 @@ def process(argv: Sequence[str], log: Path, ready: str, timeout_s: float) -> Ite
         stop(proc)
 
 
-def prefix_counters(urls: Sequence[str]) -> tuple[float, float]:
-    """(hits, queries) of vLLM's prefix cache, summed over the replicas."""
+COUNTERS = ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total",
+            "vllm:iteration_tokens_total_count", "vllm:iteration_tokens_total_sum",
+            "vllm:generation_tokens_total", "vllm:prompt_tokens_total")
+
+
+def replica_counters(urls: Sequence[str]) -> dict[str, float]:
+    """vLLM's counters of `COUNTERS`, summed over the replicas (and over the label sets of each)."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    hits = queries = 0.0
+    totals = dict.fromkeys(COUNTERS, 0.0)
     for url in urls:
         for family in text_string_to_metric_families(get(url + "/metrics").decode()):
             for sample in family.samples:
-                if sample.name == "vllm:prefix_cache_hits_total":
-                    hits += sample.value
-                elif sample.name == "vllm:prefix_cache_queries_total":
-                    queries += sample.value
-    return hits, queries
+                if sample.name in totals:
+                    totals[sample.name] += sample.value
+    return totals
+
+
+def engine_steps(before: dict[str, float], after: dict[str, float], records: Sequence[dict[str, Any]]
+                 ) -> dict[str, float]:
+    """The engines' own steps over a run, from vLLM's counters: steps, tokens computed, tokens generated, prompt
+    tokens, and the span from the first request sent to the last one ended (the engines' steps fall inside it)."""
+    def delta(name: str) -> float:
+        return after[name] - before[name]
+
+    span = (max(r["end_s"] for r in records) - min(r["sent_s"] for r in records)) if records else math.nan
+    return {"steps": delta("vllm:iteration_tokens_total_count"), "tokens": delta("vllm:iteration_tokens_total_sum"),
+            "generated": delta("vllm:generation_tokens_total"), "prompt": delta("vllm:prompt_tokens_total"),
+            "span_s": span}
 
 
 def loadtest(args: Sequence[str], out: Path, timeout_s: float) -> dict[str, Any]:
@@ -245,7 +262,7 @@ def run_point(run: Run, side: Side, rate: float, duration: float, tokenizer: str
               out: Path) -> dict[str, Any]:
     arrival = ["--arrival", "poisson"] if run.arrival == "poisson" else ["--arrival", "gamma", "--burstiness", "0.25"]
     shape = CHAT if run.workload == "chat" else WORKLOADS[run.workload]
-    before = prefix_counters(side.replicas)
+    before = replica_counters(side.replicas)
     speed = [machine_speed() for _ in range(3)]  # the machine's own speed about the run (slower: more us)
     cpu_before = cpu_snapshot(side.pids)
     summary = loadtest(["--host", side.gateways[run.policy], *shape, *arrival, "--rate", f"{rate:.4f}",
@@ -253,12 +270,13 @@ def run_point(run: Run, side: Side, rate: float, duration: float, tokenizer: str
                         "--tokenizer", tokenizer], out, duration + 600)
     cpu = cpu_use(cpu_before, cpu_snapshot(side.pids))  # the load generator's start and end included
     speed += [machine_speed() for _ in range(3)]
-    after = prefix_counters(side.replicas)
-    queries = after[1] - before[1]
+    after = replica_counters(side.replicas)
+    queries = after["vllm:prefix_cache_queries_total"] - before["vllm:prefix_cache_queries_total"]
+    hits = after["vllm:prefix_cache_hits_total"] - before["vllm:prefix_cache_hits_total"]
     records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines() if line]
     ok = [r for r in records if r.get("ok")]
     return {**asdict(run), "rate": rate, "completed": summary["completed"], "failed": summary["failed"],
-            "hit_rate": (after[0] - before[0]) / queries if queries else math.nan,
+            "hit_rate": hits / queries if queries else math.nan, "engine": engine_steps(before, after, ok),
             "same_replica": summary.get("later_turns_on_same_replica"),
             "ttft_s": [r["ttft_s"] for r in ok if r.get("ttft_s") is not None],
             "tpot_s": [(r["end_s"] - r["sent_s"] - r["ttft_s"]) / (r["output_tokens"] - 1) for r in ok
@@ -549,6 +567,8 @@ def report(out: Path, meta: dict[str, Any]) -> str:
         lines += versus(real, table[side_name], side_name)
         lines += ranking_lines(rows, table, side_name)
         lines += inflight_lines(rows, int(meta.get("replicas", 2)), side_name)  # runs before 11-26: always 2
+        suffix = next((f"_{c}" if c != "isolated" else "" for c, n in CALIBRATIONS.items() if n == side_name), "")
+        lines += steps_lines(rows, int(meta.get("replicas", 2)), side_name, meta.get(f"replica_model{suffix}"))
     lines += ["## The default on real replicas (p99 TTFT, ms, pooled over seeds)", ""]
     judged = []
     for point, by in real.items():

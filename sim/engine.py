@@ -150,6 +150,7 @@ class Engine:
         self.generation_tokens_total = 0
         self.finished_total = 0
         self.steps_total = 0
+        self.iteration_tokens_total = 0  # tokens of every step: one per decoding sequence plus prompt chunks
         self.max_blocks_used = 0
         self.prefix_cache_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_cache_hits = 0  # of which found
@@ -239,6 +240,7 @@ class Engine:
             return
         self._busy = True
         self.steps_total += 1
+        self.iteration_tokens_total += (self._n_dec if self._decode else 0) + sum(c for _, _, c in self._chunks)
         self.max_blocks_used = max(self.max_blocks_used, self.used_blocks)
         self.clock.call_at(self.clock.now() + self.steptime.host_s(seqs), self._launch, self._device_s())
 

@@ -440,6 +440,12 @@ def render_metrics(state: ReplicaState) -> str:
     for name, kind, help_, value in lines:
         sample = f"{name}_total" if kind == "counter" else name
         out += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}", f"{sample}{{{label}}} {float(value)}"]
+    # vLLM's histogram of tokens per engine step; only its count (steps) and sum (tokens) are kept here.
+    out += ["# HELP vllm:iteration_tokens_total Histogram of number of tokens per engine_step.",
+            "# TYPE vllm:iteration_tokens_total histogram",
+            f'vllm:iteration_tokens_total_bucket{{{label},le="+Inf"}} {float(e.steps_total)}',
+            f"vllm:iteration_tokens_total_count{{{label}}} {float(e.steps_total)}",
+            f"vllm:iteration_tokens_total_sum{{{label}}} {float(e.iteration_tokens_total)}"]
     out += ["# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig",
             "# TYPE vllm:cache_config_info gauge", f"vllm:cache_config_info{{{info}}} 1.0"]
     return "\n".join(out) + "\n"

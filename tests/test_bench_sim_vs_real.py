@@ -10,6 +10,8 @@ import pytest
 from bench.sim_vs_real import REPEAT, Run, Setup, done_runs, repeatability, report, summarize
 from bench.sim_vs_real_inflight import inflight_lines
 from bench.sim_vs_real_ranking import ranking_lines
+from bench.sim_vs_real_steps import steps_lines
+from sim.measured import ReplicaModel
 
 
 def setup(repeats: int) -> Setup:
@@ -111,3 +113,28 @@ def test_tpot_is_set_beside_the_requests_in_flight_and_the_machine() -> None:
     assert "rank correlation of TPOT with rest +1.00" in text and "11000-13000 us +1.00 (3 runs)" in text
     assert "| 3 | sharegpt/0.5/0 | round_robin | 13.0 | 0.35 | 4.0 | 7.0 |" in text  # the series, in order
     assert inflight_lines([r for r in rows if r["side"] == "real"], 2, "sim") == []  # nothing to set it beside
+
+
+def _stepped(side: str, steps: float, generated: float, prompt: float) -> dict[str, object]:
+    return {"side": side, "workload": "sharegpt", "arrival": "poisson", "load": 0.8, "policy": "round_robin",
+            "seed": 0, "engine": {"steps": steps, "tokens": generated + prompt, "generated": generated,
+                                  "prompt": prompt, "span_s": 10.0}}
+
+
+def test_the_engines_steps_are_set_side_by_side_and_against_the_replica_model(tmp_path: Path) -> None:
+    """Two replicas over a 10 s span: 2,000 real steps are 10 ms each per replica, with 8 tokens sampled and 10 prompt
+    tokens a step; 2,500 simulated steps are 8 ms. The replica model at the real batch: step(8) = 5 + 7.5 x 7/15 =
+    8.5 ms, plus 10 prompt tokens at 50 us = 9.0 ms, 10% under the real step. Runs without the counters (before
+    they were recorded) are left out."""
+    model = ReplicaModel(model_name="m", step_s=((1, 0.005), (16, 0.0125)), prefill_s_per_token=50e-6,
+                         frontend_s=0.0, max_num_seqs=32, max_num_batched_tokens=2048, chunked_prefill=True,
+                         prefix_caching=True, block_size=128, num_blocks=100, max_model_len=2048)
+    path = tmp_path / "replica.json"
+    path.write_text(model.to_json())
+    rows = [_stepped("real", 2000, 16000, 20000), _stepped("real", 2000, 16000, 20000),
+            _stepped("sim-together", 2500, 15000, 22500), {**_stepped("real", 1, 1, 1), "engine": None}]
+    text = "\n".join(steps_lines(rows, 2, "sim-together", str(path)))
+    assert "| sharegpt/poisson/0.8 | 2 | 8.0 | 6.0 | 10.00 | 8.00 | -20% | 10.0 | 9.0 | 9.00 | -10% |" in text
+    assert "| sharegpt/poisson/0.8 | 2 | 8.0 | 6.0 | 10.00 | 8.00 | -20% | 10.0 | 9.0 |" in \
+        "\n".join(steps_lines(rows, 2, "sim-together"))  # no model: the last two columns go
+    assert steps_lines([r for r in rows if r["side"] == "real"], 2, "sim-together") == []

@@ -319,6 +319,12 @@ def test_the_simulator_against_these_replicas_quick(deployment: Deployment, tmp_
     assert all(len(r["cpu"]["cores_busy"]) == os.cpu_count() and 0 < sum(r["cpu"]["replicas"]) for r in rows), \
         [(r["side"], r["policy"], r["cpu"]) for r in rows]
     assert "Where the CPU went" in (out / "report.md").read_text()
+    # the engines' own steps, from vLLM's counters and sim serve's: every step computes a token or more, and a
+    # replica's mean step over the run's span lies between 1 ms and 1 s
+    assert all(0 < r["engine"]["steps"] <= r["engine"]["tokens"] and r["engine"]["generated"] > 0
+               and 0.001 < r["engine"]["span_s"] * 2 / r["engine"]["steps"] < 1 for r in rows), \
+        [(r["side"], r["policy"], r["engine"]) for r in rows]
+    assert "The engines' own steps (`sim-together`)" in (out / "report.md").read_text()
     by = {(r["side"], r["policy"]): r for r in rows}
     # A factor of three, both calibrations: this catches a simulator that is not calibrated or off by its units,
     # and the full run judges the goal's 15%. Tighter is inside this machine's noise for one 6-s run: identical

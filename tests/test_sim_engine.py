@@ -50,11 +50,14 @@ def run(clock: VirtualClock, eng: Engine, sizes: list[tuple[int, int]]) -> list[
 @pytest.mark.parametrize("chunked", [False, True])
 def test_every_request_gets_all_its_tokens_and_blocks_come_back(chunked: bool) -> None:
     """Each request ends with exactly its output tokens; no block is left in use."""
-    clock, eng, _ = engine(chunked=chunked, max_num_seqs=8)
+    clock, eng, steps = engine(chunked=chunked, max_num_seqs=8)
     reqs = run(clock, eng, [(100 + i, 50 + 7 * i) for i in range(40)])
     assert all(r.state == FINISHED and r.generated == r.max_tokens for r in reqs)
     assert eng.used_blocks == 0 and eng.generated_inflight() == 0
     assert eng.generation_tokens_total == sum(r.max_tokens for r in reqs)
+    # vLLM's iteration_tokens histogram: one observation per step, of the tokens the step computed
+    assert eng.steps_total == len(steps.tokens) and eng.iteration_tokens_total == sum(steps.tokens)
+    assert eng.iteration_tokens_total == sum(r.prompt_tokens + r.max_tokens - 1 for r in reqs)
 
 
 def test_batch_cap_bounds_running_requests() -> None:

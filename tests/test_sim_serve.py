@@ -145,6 +145,11 @@ async def test_replicas_share_one_gpu(sim_replicas: SimFactory) -> None:
             async with session.post(url + "/v1/completions", json=body) as resp:
                 assert resp.status == 200
     assert node.device.busy_s > 0 and node.engines[0].finished_total == node.engines[1].finished_total == 1
+    async with aiohttp.ClientSession() as session, session.get(urls[0] + "/metrics") as resp:
+        samples = {s.name: s.value for f in text_string_to_metric_families(await resp.text()) for s in f.samples}
+    # vLLM's tokens-per-step histogram: 1 prompt token ("hi") and 4 decodes after the first token, in 5 steps
+    assert samples["vllm:iteration_tokens_total_count"] == node.engines[0].steps_total == 5
+    assert samples["vllm:iteration_tokens_total_sum"] == 5
 
 
 async def test_through_the_gateway(sim_replicas: SimFactory, gateway_for: GatewayFactory) -> None:

@@ -1,0 +1,84 @@
+"""The engines' own steps, real and simulated: is the simulator's gap in the step at a given batch, or in the batch?
+
+Each run records vLLM's counters before and after it (`engine` in runs.jsonl): steps (the count of
+`vllm:iteration_tokens_total`), tokens computed in them (its sum), tokens generated and prompt tokens. `sim serve`
+counts the same. Per replica, over the run's span (first request sent to last one ended):
+
+- **sampled a step**: tokens generated / steps, the mean number of sequences a step decodes (the engine's batch,
+  as the engine saw it, where Little's law counts what the clients had in flight);
+- **ms a step**: span x replicas / steps. At 50% load and above a replica is rarely idle inside the span, so this
+  is the mean step; where it idles, the idle time counts in;
+- **prompt tokens a step**.
+
+Beside the real side's figures, the replica model the simulated side was calibrated with, evaluated at the real
+engines' own batch and prompt tokens a step (`step(batch) + prefill x prompt tokens`, at the calibration's shorter
+context): where that matches the real step, the step model holds under this load and the gap is in how many
+requests the simulated engines hold; where it does not, the step model misses something this load does.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from sim.measured import ReplicaModel
+
+from .common import markdown_table
+
+
+def per_run(row: dict[str, Any], replicas: int) -> tuple[float, float, float] | None:
+    """(sampled a step, ms a step, prompt tokens a step) of one run, per replica; None without the counters."""
+    engine = row.get("engine")
+    if not engine or not engine["steps"] or not math.isfinite(engine["span_s"]):
+        return None
+    steps = engine["steps"]
+    return engine["generated"] / steps, 1000 * engine["span_s"] * replicas / steps, engine["prompt"] / steps
+
+
+def model_ms(model: ReplicaModel, sampled: float, prompt: float) -> float:
+    """The replica model's step at this batch and these prompt tokens (between the measured batch sizes)."""
+    lo, hi = math.floor(sampled), math.ceil(sampled)
+    step = model.step(max(lo, 1)) + (model.step(max(hi, 1)) - model.step(max(lo, 1))) * (sampled - lo)
+    return 1000 * (step + model.prefill_s_per_token * prompt)
+
+
+def steps_lines(rows: Sequence[dict[str, Any]], replicas: int, sim_side: str,
+                model_path: str | None = None) -> list[str]:
+    """The report's section: per point, each side's median engine batch, step and prompt tokens a step; the
+    replica model at the real batch."""
+    cells: dict[tuple[str, str], list[tuple[float, float, float]]] = {}
+    for r in rows:
+        figures = per_run(r, replicas) if r["workload"] != "chat" and r["side"] in ("real", sim_side) else None
+        if figures:
+            cells.setdefault((f"{r['workload']}/{r['arrival']}/{r['load']:g}", r["side"]), []).append(figures)
+    points = sorted({p for p, _ in cells})
+    if not any((p, "real") in cells and (p, sim_side) in cells for p in points):
+        return []
+    model = ReplicaModel.load(model_path) if model_path and Path(model_path).is_file() else None
+    body = []
+    for point in points:
+        real, sim = cells.get((point, "real")), cells.get((point, sim_side))
+        if not real or not sim:
+            continue
+        rb, rms, rp = (float(np.median(v)) for v in zip(*real))
+        sb, sms, sp = (float(np.median(v)) for v in zip(*sim))
+        row = [point, len(real), f"{rb:.1f}", f"{sb:.1f}", f"{rms:.2f}", f"{sms:.2f}", f"{sms / rms - 1:+.0%}",
+               f"{rp:.1f}", f"{sp:.1f}"]
+        if model:
+            at_real = float(np.median([model_ms(model, b, p) for b, _, p in real]))
+            row += [f"{at_real:.2f}", f"{at_real / rms - 1:+.0%}"]
+        body.append(row)
+    head = ["point", "runs", "sampled a step, real", "sim", "ms a step, real", "sim", "sim / real - 1",
+            "prompt tokens a step, real", "sim"]
+    if model:
+        head += ["replica model at the real batch, ms", "model / real - 1"]
+    return [f"## The engines' own steps (`{sim_side}`)", "",
+            "From vLLM's counters (`vllm:iteration_tokens_total`, generated and prompt tokens), per replica, medians "
+            "over the runs of a point: the engines' mean batch (tokens sampled a step), the mean step (the run's "
+            "span x replicas / steps) and prompt tokens a step"
+            + (", and the calibrated replica model evaluated at the real engines' batch and prompt tokens a step"
+               if model else "") + ".", "", markdown_table(head, body), ""]
