@@ -15,7 +15,11 @@ One command:
 5. every point (workload, arrivals, load, seed) runs `loadtest run` through each policy's gateway, policies in a
    rotated order per seed, prompts salted per (point, policy) and the same on both sides; the replicas'
    `vllm:prefix_cache_{hits,queries}_total` are read before and after each run;
-6. the real side's first run is run `--repeats` more times (side "real-repeat", other prompts of the same
+6. with `--follow-speed`, a side "sim-followed": the "together" calibration, each run made as many times slower or
+   faster as the real engines were just before the matching real run, against a reading taken right after the
+   calibration (`bench.engine_speed`: a short fixed load, the mean step from vLLM's counters; `POST /sim/speed` on
+   the simulated replicas). This machine's speed wanders by a quarter within minutes (docs/sim.md);
+7. the real side's first run is run `--repeats` more times (side "real-repeat", other prompts of the same
    lengths), spread over the real side's series: how far an identical schedule moves on the real replicas, the
    floor under every error against the simulator (on this shared 2-core machine, 10 identical sharegpt runs at
    half load gave TPOT p50 4.9-7.4 ms).
@@ -54,6 +58,7 @@ import numpy as np
 import yaml
 
 from .common import figure_path, machine_speed, markdown_table, pyplot, save
+from .engine_speed import read_sync
 from .sim_vs_real_inflight import inflight_lines
 from .sim_vs_real_ranking import ranking_lines
 from .sim_vs_real_steps import steps_lines
@@ -77,6 +82,7 @@ BATCHED_TOKENS, MAX_MODEL_LEN = 2048, 2048  # vLLM-CPU's token budget (API serve
 MODEL = "tiny-opt"
 CALIBRATIONS = {"together": "sim-together", "isolated": "sim"}  # how the profiles are taken -> the simulated side
 REPEAT = "real-repeat"  # the real side's first run again, to measure how repeatable the real side is
+FOLLOWED = "sim-followed"  # the "together" calibration scaled, run by run, by the real engines' speed then
 
 
 @dataclass(frozen=True)
@@ -303,6 +309,7 @@ class Setup:
     deployment: Path | None = None  # a running `deploy up`'s run directory: its replicas instead of new ones
     calibrations: tuple[str, ...] = ("together",)  # each a simulated side (CALIBRATIONS)
     repeats: int = 0  # times the real side's first run is run again, spread over the real side's series
+    follow_speed: bool = False  # a side FOLLOWED: the together calibration at each real run's engine speed
 
     def runs(self, side: str) -> list[Run]:
         """The side's runs in order; on the real side, `repeats` runs of its first run interleaved evenly (the
@@ -374,6 +381,15 @@ def calibrate(out: Path, names: Sequence[str], urls: Sequence[str], suffix: str,
     return fit.stdout, str(model_path)
 
 
+def set_scale(urls: Sequence[str], scale: float) -> None:
+    """Every simulated replica's steps `scale` times its replica model's (`POST /sim/speed`)."""
+    for url in urls:
+        req = urllib.request.Request(url + "/sim/speed", json.dumps({"scale": scale}).encode(),
+                                     {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            resp.read()
+
+
 def measure(setup: Setup) -> None:
     from deploy.tinymodel import ensure_tiny_model
 
@@ -416,6 +432,17 @@ def measure(setup: Setup) -> None:
                                                "--port", str(port)], out / f"{side_name}.log", urls[-1] + "/health",
                                               60))
             sides[side_name], pids[side_name] = urls, [sim.pid]  # a simulated side's replicas are one process
+        if setup.follow_speed:
+            if "speed_ref" not in meta:  # the engines' speed in the calibration's minutes
+                meta["speed_ref"] = asdict(read_sync(real))
+                meta_path.write_text(json.dumps(meta, indent=1))
+            port = sim_port + 10 * len(setup.calibrations)
+            urls = [f"http://127.0.0.1:{port + i}" for i in range(setup.replicas)]
+            sim = stack.enter_context(process([python(), "-m", "sim.cli", "serve", "--config",
+                                               meta["replica_model_together"], "--replicas", str(setup.replicas),
+                                               "--port", str(port)], out / f"{FOLLOWED}.log", urls[-1] + "/health",
+                                              60))
+            sides[FOLLOWED], pids[FOLLOWED] = urls, [sim.pid]
         policies = tuple(dict.fromkeys(setup.policies + setup.chat_policies))
         for k, (side_name, urls) in enumerate(sides.items()):
             port = gw_port + 100 * (k + 1)
@@ -432,8 +459,15 @@ def measure(setup: Setup) -> None:
                         continue
                     rate = run.load if run.workload == "chat" else run.load * meta[f"capacity_real_{run.workload}"]
                     duration = setup.chat_duration if run.workload == "chat" else setup.duration
-                    row = run_point(run, side, rate, duration, tokenizer, hash_text(run.key.split("/", 1)[1]),
-                                    out / "tmp-run")
+                    speed: dict[str, Any] = {}
+                    if setup.follow_speed and side_name == "real":
+                        speed["engine_speed"] = asdict(read_sync(urls))
+                    elif side_name == FOLLOWED:
+                        twin = done[replace(run, side="real").key]
+                        speed["scale"] = twin["engine_speed"]["ms_a_step"] / meta["speed_ref"]["ms_a_step"]
+                        set_scale(urls, speed["scale"])
+                    row = {**run_point(run, side, rate, duration, tokenizer, hash_text(run.key.split("/", 1)[1]),
+                                       out / "tmp-run"), **speed}
                     with results.open("a") as f:
                         f.write(json.dumps(row) + "\n")
                     done[run.key] = row
@@ -563,12 +597,20 @@ def report(out: Path, meta: dict[str, Any]) -> str:
                       + (f" (speedometer about the profile: {speed / 1000:.1f} ms)" if speed else "") + ":", "",
                       "```", meta[key].strip(), "```", ""]
     lines += repeatability(rows)
-    for side_name in (n for n in CALIBRATIONS.values() if n in table):
+    if "speed_ref" in meta:
+        scales = [r["scale"] for r in rows if "scale" in r]
+        lines += [f"Engine speed (`bench.engine_speed`, B = 4, 256 + 64 tokens): {meta['speed_ref']['ms_a_step']:.2f} "
+                  f"ms a step right after the calibration; before the real runs, {FOLLOWED}'s scale (that run's "
+                  f"reading over this one) {min(scales, default=math.nan):.2f}-{max(scales, default=math.nan):.2f}, "
+                  f"median {float(np.median(scales)) if scales else math.nan:.2f}.", ""]
+    for side_name in (n for n in (*CALIBRATIONS.values(), FOLLOWED) if n in table):
         lines += versus(real, table[side_name], side_name)
         lines += ranking_lines(rows, table, side_name)
         lines += inflight_lines(rows, int(meta.get("replicas", 2)), side_name)  # runs before 11-26: always 2
-        suffix = next((f"_{c}" if c != "isolated" else "" for c, n in CALIBRATIONS.items() if n == side_name), "")
-        lines += steps_lines(rows, int(meta.get("replicas", 2)), side_name, meta.get(f"replica_model{suffix}"))
+        suffix = next((f"_{c}" if c != "isolated" else "" for c, n in CALIBRATIONS.items() if n == side_name),
+                      "_together")
+        lines += steps_lines(rows, int(meta.get("replicas", 2)), side_name, meta.get(f"replica_model{suffix}"),
+                             scaled=side_name == FOLLOWED)
     lines += ["## The default on real replicas (p99 TTFT, ms, pooled over seeds)", ""]
     judged = []
     for point, by in real.items():
@@ -672,6 +714,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--calibrations", default="together", help="isolated,together: one simulated side each. "
                         "together (the default): calibrated from every replica profiled at once, as they run under "
                         "load; isolated: from the first replica profiled alone")
+    parser.add_argument("--follow-speed", action="store_true", help="add a side sim-followed: the together "
+                        "calibration, each run scaled by the real engines' speed just before the matching real run")
     parser.add_argument("--repeats", type=int, help="run the real side's first run this many more "
                         "times, spread over its series, to measure how repeatable the real side is (3; --quick: 0)")
     parser.add_argument("--report", action="store_true", help="only rebuild the report from OUT/runs.jsonl")
@@ -692,8 +736,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     if repeats < 0:
         parser.error(f"--repeats must be >= 0, got {repeats}")
     setup = replace(setup, deployment=args.deployment, calibrations=tuple(args.calibrations.split(",")),
-                    repeats=repeats)
-    runs = [r for side in ("real", *(CALIBRATIONS[c] for c in setup.calibrations)) for r in setup.runs(side)]
+                    repeats=repeats, follow_speed=args.follow_speed)
+    if setup.follow_speed and "together" not in setup.calibrations:
+        parser.error("--follow-speed scales the together calibration: add together to --calibrations")
+    sides = ("real", *(CALIBRATIONS[c] for c in setup.calibrations), *((FOLLOWED,) if setup.follow_speed else ()))
+    runs = [r for side in sides for r in setup.runs(side)]
     if args.dry_run:
         print(f"{len(runs)} runs of {setup.duration:g} s of schedule (about {len(runs) * (setup.duration + 12) / 60:.0f}"
               " min, plus 3-4 min of start, profile and capacities)")

@@ -13,7 +13,8 @@ counts the same. Per replica, over the run's span (first request sent to last on
 Beside the real side's figures, the replica model the simulated side was calibrated with, evaluated at the real
 engines' own batch and prompt tokens a step (`step(batch) + prefill x prompt tokens`, at the calibration's shorter
 context): where that matches the real step, the step model holds under this load and the gap is in how many
-requests the simulated engines hold; where it does not, the step model misses something this load does.
+requests the simulated engines hold; where it does not, the step model misses something this load does. For the
+side that follows the machine's speed (`--follow-speed`), the model is scaled as that run's simulated twin was.
 """
 
 from __future__ import annotations
@@ -46,15 +47,22 @@ def model_ms(model: ReplicaModel, sampled: float, prompt: float) -> float:
     return 1000 * (step + model.prefill_s_per_token * prompt)
 
 
+def _twin(row: dict[str, Any]) -> tuple[Any, ...]:
+    return row["workload"], row["arrival"], row["load"], row["seed"], row["policy"]
+
+
 def steps_lines(rows: Sequence[dict[str, Any]], replicas: int, sim_side: str,
-                model_path: str | None = None) -> list[str]:
+                model_path: str | None = None, scaled: bool = False) -> list[str]:
     """The report's section: per point, each side's median engine batch, step and prompt tokens a step; the
-    replica model at the real batch."""
-    cells: dict[tuple[str, str], list[tuple[float, float, float]]] = {}
+    replica model at the real batch (`scaled`: times the scale the simulated twin of each real run ran at)."""
+    scales = {_twin(r): float(r["scale"]) for r in rows if scaled and r["side"] == sim_side and "scale" in r}
+    cells: dict[tuple[str, str], list[tuple[float, float, float, float]]] = {}
     for r in rows:
         figures = per_run(r, replicas) if r["workload"] != "chat" and r["side"] in ("real", sim_side) else None
         if figures:
-            cells.setdefault((f"{r['workload']}/{r['arrival']}/{r['load']:g}", r["side"]), []).append(figures)
+            scale = scales.get(_twin(r), math.nan) if scaled else 1.0
+            cells.setdefault((f"{r['workload']}/{r['arrival']}/{r['load']:g}", r["side"]), []).append(
+                (*figures, scale))
     points = sorted({p for p, _ in cells})
     if not any((p, "real") in cells and (p, sim_side) in cells for p in points):
         return []
@@ -64,12 +72,12 @@ def steps_lines(rows: Sequence[dict[str, Any]], replicas: int, sim_side: str,
         real, sim = cells.get((point, "real")), cells.get((point, sim_side))
         if not real or not sim:
             continue
-        rb, rms, rp = (float(np.median(v)) for v in zip(*real))
-        sb, sms, sp = (float(np.median(v)) for v in zip(*sim))
+        rb, rms, rp, _ = (float(np.median(v)) for v in zip(*real))
+        sb, sms, sp, _ = (float(np.median(v)) for v in zip(*sim))
         row = [point, len(real), f"{rb:.1f}", f"{sb:.1f}", f"{rms:.2f}", f"{sms:.2f}", f"{sms / rms - 1:+.0%}",
                f"{rp:.1f}", f"{sp:.1f}"]
         if model:
-            at_real = float(np.median([model_ms(model, b, p) for b, _, p in real]))
+            at_real = float(np.median([scale * model_ms(model, b, p) for b, _, p, scale in real]))
             row += [f"{at_real:.2f}", f"{at_real / rms - 1:+.0%}"]
         body.append(row)
     head = ["point", "runs", "sampled a step, real", "sim", "ms a step, real", "sim", "sim / real - 1",

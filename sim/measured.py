@@ -148,6 +148,7 @@ class FrontEnd:
     def __init__(self, service_s: float, stream_s: float = 0.0) -> None:
         self.service_s = service_s
         self.stream_s = stream_s
+        self._base = (service_s, stream_s)
         self._free_at = 0.0
         self._pending: dict[int, float] = {}
 
@@ -167,6 +168,10 @@ class FrontEnd:
         self._pending[rid] = self._free_at
         return self._free_at
 
+    def set_scale(self, scale: float) -> None:
+        """Every cost `scale` times the one it was made with (the machine slower or faster than calibrated)."""
+        self.service_s, self.stream_s = (scale * cost for cost in self._base)
+
     def until(self, rid: int) -> float:
         """When request `rid`'s last chunk so far reaches its client (0: none is waiting)."""
         return self._pending.get(rid, 0.0)
@@ -177,11 +182,13 @@ class FrontEnd:
 
 
 class MeasuredStepTime:
-    """Step times from a `ReplicaModel`, behind the same two calls the engine makes of `StepTimeModel`."""
+    """Step times from a `ReplicaModel`, behind the same two calls the engine makes of `StepTimeModel`. `scale`
+    multiplies every step: the machine that far slower (above 1) or faster than when the model was calibrated."""
 
     def __init__(self, model: ReplicaModel) -> None:
         self.replica = model
         self.kv_bytes_per_token = model.kv_bytes_per_token
+        self.scale = 1.0
         self._prefill = model.prefill_s_per_token
         self._grows = bool(model.long_step_s)
         self._cache: dict[int, float] = {}
@@ -190,14 +197,14 @@ class MeasuredStepTime:
         cached = self._cache.get(seqs)
         if cached is None:
             cached = self._cache[seqs] = self.replica.step(seqs)
-        return cached
+        return self.scale * cached
 
     def device_s(self, new_tokens: int, sampled: int, kv_read: float, attn_pairs: float) -> float:
         # Prompt tokens computed this step: every new token but the decoding sequences' one each (a chunk that
         # completes its prompt samples too, so this undercounts by at most one token per such chunk).
         prefill = self._prefill * max(0, new_tokens - sampled)
         if not self._grows or not sampled:
-            return prefill
+            return self.scale * prefill
         # What the decoding sequences' context adds to (or takes from) the step at the reference context.
         replica = self.replica
-        return max(0.0, prefill + replica.step(sampled, kv_read / sampled) - replica.step(sampled))
+        return self.scale * max(0.0, prefill + replica.step(sampled, kv_read / sampled) - replica.step(sampled))

@@ -78,10 +78,11 @@ class MeasuredSpec:
                             enable_prefix_caching=r.prefix_caching)
 
     def build(self, clock: Clock) -> tuple[SharedDevice, StepTime, list[Engine]]:
-        shared, steptime, config = SharedDevice(clock), MeasuredStepTime(self.replica), self.engine_config()
-        return shared, steptime, [
-            Engine(config, steptime, shared if self.replica.shared_device else SharedDevice(clock), clock,
-                   f"replica-{i}") for i in range(self.replicas)]
+        shared, config = SharedDevice(clock), self.engine_config()
+        engines = [Engine(config, MeasuredStepTime(self.replica),  # its own: each replica's speed can be scaled
+                          shared if self.replica.shared_device else SharedDevice(clock), clock, f"replica-{i}")
+                   for i in range(self.replicas)]
+        return shared, engines[0].steptime, engines
 
     def gateway_speed(self) -> Speed:
         """The measured step times and prefill rate, as `planner plan` would give them to the gateway."""

@@ -31,7 +31,7 @@ from gateway.errors import GatewayError
 from gateway.parsing import chat_tokens
 
 from .engine import Engine, SimRequest
-from .measured import FrontEnd
+from .measured import FrontEnd, MeasuredStepTime
 from .workload import REFERENCE_OUTPUT_MEAN
 
 logger = logging.getLogger(__name__)
@@ -455,6 +455,27 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(text=render_metrics(request.app[STATE]), content_type="text/plain")
 
 
+async def speed(request: web.Request) -> web.Response:
+    """`POST /sim/speed {"scale": F}`: this replica's steps and front end F times what its replica model says (the
+    machine F times slower than at the calibration; `bench.sim_vs_real --follow-speed` sets it before each run).
+    Only a replica imitating a calibrated one (`sim serve --config`) has a model to scale."""
+    state = request.app[STATE]
+    try:
+        body = await request.json()
+    except ValueError:
+        return _error(400, "the body must be JSON: {\"scale\": F}")
+    scale = body.get("scale") if isinstance(body, dict) else None
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0.01 <= scale <= 100:
+        return _error(400, "scale must be a number from 0.01 to 100", "scale")
+    steptime = state.engine.steptime
+    if not isinstance(steptime, MeasuredStepTime):
+        return _error(400, "only a replica served from a replica model (sim serve --config) can be scaled")
+    steptime.scale = float(scale)
+    if state.frontend is not None:
+        state.frontend.set_scale(float(scale))
+    return web.json_response({"scale": steptime.scale})
+
+
 def make_app(engine: Engine, model_name: str, seed: int | None = None, coder: Coder | None = None,
              frontend_s: float = 0.0, stream_s: float = 0.0) -> web.Application:
     """One simulated replica's aiohttp application (`frontend_s`, `stream_s`: its API server's cost per request
@@ -467,4 +488,5 @@ def make_app(engine: Engine, model_name: str, seed: int | None = None, coder: Co
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
+    app.router.add_post("/sim/speed", speed)
     return app

@@ -138,3 +138,7 @@ def test_the_engines_steps_are_set_side_by_side_and_against_the_replica_model(tm
     assert "| sharegpt/poisson/0.8 | 2 | 8.0 | 6.0 | 10.00 | 8.00 | -20% | 10.0 | 9.0 |" in \
         "\n".join(steps_lines(rows, 2, "sim-together"))  # no model: the last two columns go
     assert steps_lines([r for r in rows if r["side"] == "real"], 2, "sim-together") == []
+    # the side that follows the machine: the model at the real batch scaled as each real run's twin ran (1.2 x)
+    followed = [*rows[:2], {**_stepped("sim-followed", 2000, 16000, 20000), "scale": 1.2}]
+    assert "| 10.00 | 10.00 | +0% | 10.0 | 10.0 | 10.80 | +8% |" in \
+        "\n".join(steps_lines(followed, 2, "sim-followed", str(path), scaled=True))

@@ -22,7 +22,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from sim.clock import LoopClock
 from sim.gpus import get_gpu
 from sim.model import load_model
-from sim.node import Node, NodeSpec
+from sim.measured import MeasuredStepTime, ReplicaModel
+from sim.node import MeasuredSpec, Node, NodeSpec
 from sim.server import make_app
 from tests.conftest import GatewayFactory
 
@@ -218,3 +219,45 @@ def test_bad_flags_are_named_without_a_traceback() -> None:
         proc = subprocess.run([sys.executable, "-m", "sim.cli", "serve", *args], capture_output=True, text=True,
                               timeout=30)
         assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr
+
+
+async def test_a_measured_replica_runs_at_the_speed_it_is_set_to(aiohttp_server: Any,
+                                                                 sim_replicas: SimFactory) -> None:
+    """`POST /sim/speed {"scale": 3}` (what `bench.sim_vs_real --follow-speed` sends when the real engines ran three
+    times slower than at the calibration): a lone 30-step request takes three times as long on the wall clock, on
+    that replica only. A bad scale is a 400 in OpenAI's error shape; a replica with no replica model (the roofline)
+    cannot be scaled."""
+    model = ReplicaModel(model_name="m", step_s=((1, 0.01), (4, 0.012)), prefill_s_per_token=0.0, frontend_s=0.002,
+                         max_num_seqs=4, max_num_batched_tokens=512, chunked_prefill=True, prefix_caching=False,
+                         block_size=16, num_blocks=100, max_model_len=512)
+    node = Node(MeasuredSpec(model, 2), LoopClock(asyncio.get_running_loop()))
+    urls = []
+    for i, engine in enumerate(node.engines):
+        server: TestServer = await aiohttp_server(make_app(engine, "m", seed=i, frontend_s=model.frontend_s))
+        urls.append(str(server.make_url("")).rstrip("/"))
+    async with aiohttp.ClientSession() as session:
+        async def timed(url: str) -> float:
+            body = {"model": "m", "prompt": [1, 2], "max_tokens": 30, "ignore_eos": True}
+            start = time.perf_counter()
+            async with session.post(url + "/v1/completions", json=body) as resp:
+                assert resp.status == 200
+                await resp.read()
+            return time.perf_counter() - start
+
+        base = await timed(urls[0])
+        async with session.post(urls[0] + "/sim/speed", json={"scale": 3}) as resp:
+            assert resp.status == 200 and await resp.json() == {"scale": 3.0}
+        slow, other = await timed(urls[0]), await timed(urls[1])
+        for bad in ({"scale": 0}, {"scale": "2"}, {"scale": True}, {"scale": 101}, [3], {}):
+            async with session.post(urls[0] + "/sim/speed", json=bad) as resp:
+                error = (await resp.json())["error"]
+                assert resp.status == 400 and error["param"] == "scale" and "0.01 to 100" in error["message"], bad
+        async with session.post(urls[0] + "/sim/speed", data=b"{") as resp:
+            assert resp.status == 400 and "JSON" in (await resp.json())["error"]["message"]
+        _, (roofline,) = await sim_replicas()
+        async with session.post(roofline + "/sim/speed", json={"scale": 2}) as resp:
+            assert resp.status == 400 and "replica model" in (await resp.json())["error"]["message"]
+    scaled, unscaled = (engine.steptime for engine in node.engines)
+    assert isinstance(scaled, MeasuredStepTime) and isinstance(unscaled, MeasuredStepTime)
+    assert scaled.scale == 3.0 and unscaled.scale == 1.0
+    assert 2.2 * base < slow < 4 * base and other < 1.6 * base, (base, slow, other)
