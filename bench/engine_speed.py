@@ -4,8 +4,8 @@ Every replica at once gets `batch` clients sending the same fixed request (token
 prefix-cache hit; `ignore_eos`) one after another for `seconds`. The reading is each replica's mean step over that
 span: span x replicas / steps, steps being the count of vLLM's `vllm:iteration_tokens_total` (`sim serve` counts
 the same). With the load fixed, two readings differ only by how fast the machine runs the engines then: on this
-2-core VM, 5.1-5.3 ms a step at B = 4 in one minute and 6.6-6.7 ms five minutes later, replicas restarted or not
-(docs/sim.md). `bench.sim_vs_real --follow-speed` takes one after the calibration and one before each real run,
+2-core VM, the same probe by hand (B = 4, 132 + 153 tokens) read 5.1-5.3 ms a step in one minute and 6.6-6.7 ms
+five minutes later, replicas restarted or not (docs/sim.md). `bench.sim_vs_real --follow-speed` takes one after the calibration and one before each real run,
 and runs the matching simulated run that many times slower or faster.
 
     python -m bench.engine_speed --replicas http://127.0.0.1:8001,http://127.0.0.1:8002 --seconds 15 --times 3
