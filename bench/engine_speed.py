@@ -5,8 +5,9 @@ prefix-cache hit; `ignore_eos`) one after another for `seconds`. The reading is 
 span: span x replicas / steps, steps being the count of vLLM's `vllm:iteration_tokens_total` (`sim serve` counts
 the same). With the load fixed, two readings differ only by how fast the machine runs the engines then: on this
 2-core VM, the same probe by hand (B = 4, 132 + 153 tokens) read 5.1-5.3 ms a step in one minute and 6.6-6.7 ms
-five minutes later, replicas restarted or not (docs/sim.md). `bench.sim_vs_real --follow-speed` takes one after the calibration and one before each real run,
-and runs the matching simulated run that many times slower or faster.
+five minutes later, replicas restarted or not (docs/sim.md). `bench.sim_vs_real --follow-speed` takes one after
+the calibration and one before each real run, and runs the matching simulated run that many times slower or
+faster.
 
     python -m bench.engine_speed --replicas http://127.0.0.1:8001,http://127.0.0.1:8002 --seconds 15 --times 3
 """
@@ -18,6 +19,7 @@ import asyncio
 import json
 import random
 import time
+import urllib.request
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
@@ -37,17 +39,20 @@ class Reading:
     requests: int
 
 
-async def _counters(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
+def counters(urls: Sequence[str], names: Sequence[str], timeout_s: float = 5.0) -> dict[str, float]:
+    """vLLM's samples of these names from each replica's /metrics, summed over the replicas (and over the label
+    sets of each)."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    async with session.get(url + "/metrics") as resp:
-        text = await resp.text()
-    out = {STEPS: 0.0, SAMPLED: 0.0}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name in out:
-                out[sample.name] += sample.value
-    return out
+    totals = dict.fromkeys(names, 0.0)
+    for url in urls:
+        with urllib.request.urlopen(url + "/metrics", timeout=timeout_s) as resp:
+            text = resp.read().decode()
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name in totals:
+                    totals[sample.name] += sample.value
+    return totals
 
 
 async def _client(session: aiohttp.ClientSession, url: str, model: str, rng: random.Random, prompt: int,
@@ -73,15 +78,14 @@ async def read(urls: Sequence[str], seconds: float = 8.0, batch: int = 4, prompt
         for url in urls:
             async with session.get(url + "/v1/models") as resp:
                 models.append((await resp.json())["data"][0]["id"])
-        before = [await _counters(session, u) for u in urls]
+        before = counters(urls, (STEPS, SAMPLED))
         start = time.monotonic()
         counts = await asyncio.gather(*(_client(session, u, m, random.Random(rng.random()), prompt, output,
                                                 start + seconds)
                                         for u, m in zip(urls, models) for _ in range(batch)))
         span = time.monotonic() - start
-        after = [await _counters(session, u) for u in urls]
-    steps = sum(a[STEPS] - b[STEPS] for a, b in zip(after, before))
-    sampled = sum(a[SAMPLED] - b[SAMPLED] for a, b in zip(after, before))
+        after = counters(urls, (STEPS, SAMPLED))
+    steps, sampled = after[STEPS] - before[STEPS], after[SAMPLED] - before[SAMPLED]
     if not steps:
         raise RuntimeError("the replicas counted no step: no vllm:iteration_tokens_total in their /metrics?")
     return Reading(1000 * span * len(urls) / steps, sampled / steps, steps, sum(counts))

@@ -58,7 +58,7 @@ import numpy as np
 import yaml
 
 from .common import figure_path, machine_speed, markdown_table, pyplot, save
-from .engine_speed import read_sync
+from .engine_speed import counters, read_sync
 from .sim_vs_real_inflight import inflight_lines
 from .sim_vs_real_ranking import ranking_lines
 from .sim_vs_real_steps import steps_lines
@@ -158,19 +158,6 @@ COUNTERS = ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total",
             "vllm:generation_tokens_total", "vllm:prompt_tokens_total")
 
 
-def replica_counters(urls: Sequence[str]) -> dict[str, float]:
-    """vLLM's counters of `COUNTERS`, summed over the replicas (and over the label sets of each)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    totals = dict.fromkeys(COUNTERS, 0.0)
-    for url in urls:
-        for family in text_string_to_metric_families(get(url + "/metrics").decode()):
-            for sample in family.samples:
-                if sample.name in totals:
-                    totals[sample.name] += sample.value
-    return totals
-
-
 def engine_steps(before: dict[str, float], after: dict[str, float], records: Sequence[dict[str, Any]]
                  ) -> dict[str, float]:
     """The engines' own steps over a run, from vLLM's counters: steps, tokens computed, tokens generated, prompt
@@ -268,7 +255,7 @@ def run_point(run: Run, side: Side, rate: float, duration: float, tokenizer: str
               out: Path) -> dict[str, Any]:
     arrival = ["--arrival", "poisson"] if run.arrival == "poisson" else ["--arrival", "gamma", "--burstiness", "0.25"]
     shape = CHAT if run.workload == "chat" else WORKLOADS[run.workload]
-    before = replica_counters(side.replicas)
+    before = counters(side.replicas, COUNTERS)
     speed = [machine_speed() for _ in range(3)]  # the machine's own speed about the run (slower: more us)
     cpu_before = cpu_snapshot(side.pids)
     summary = loadtest(["--host", side.gateways[run.policy], *shape, *arrival, "--rate", f"{rate:.4f}",
@@ -276,7 +263,7 @@ def run_point(run: Run, side: Side, rate: float, duration: float, tokenizer: str
                         "--tokenizer", tokenizer], out, duration + 600)
     cpu = cpu_use(cpu_before, cpu_snapshot(side.pids))  # the load generator's start and end included
     speed += [machine_speed() for _ in range(3)]
-    after = replica_counters(side.replicas)
+    after = counters(side.replicas, COUNTERS)
     queries = after["vllm:prefix_cache_queries_total"] - before["vllm:prefix_cache_queries_total"]
     hits = after["vllm:prefix_cache_hits_total"] - before["vllm:prefix_cache_hits_total"]
     records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines() if line]
@@ -381,6 +368,15 @@ def calibrate(out: Path, names: Sequence[str], urls: Sequence[str], suffix: str,
     return fit.stdout, str(model_path)
 
 
+def serve_sim(stack: ExitStack, model: str, replicas: int, port: int, log: Path) -> tuple[list[str], list[int]]:
+    """`sim serve --config model` for the length of `stack`: its replicas' URLs, and its pid (a simulated side's
+    replicas are one process)."""
+    urls = [f"http://127.0.0.1:{port + i}" for i in range(replicas)]
+    sim = stack.enter_context(process([python(), "-m", "sim.cli", "serve", "--config", model, "--replicas",
+                                       str(replicas), "--port", str(port)], log, urls[-1] + "/health", 60))
+    return urls, [sim.pid]
+
+
 def set_scale(urls: Sequence[str], scale: float) -> None:
     """Every simulated replica's steps `scale` times its replica model's (`POST /sim/speed`)."""
     for url in urls:
@@ -427,22 +423,15 @@ def measure(setup: Setup) -> None:
                 meta_path.write_text(json.dumps(meta, indent=1))
             port = sim_port + 10 * k
             urls = [f"http://127.0.0.1:{port + i}" for i in range(setup.replicas)]
-            sim = stack.enter_context(process([python(), "-m", "sim.cli", "serve", "--config",
-                                               meta[f"replica_model{suffix}"], "--replicas", str(setup.replicas),
-                                               "--port", str(port)], out / f"{side_name}.log", urls[-1] + "/health",
-                                              60))
-            sides[side_name], pids[side_name] = urls, [sim.pid]  # a simulated side's replicas are one process
+            sides[side_name], pids[side_name] = serve_sim(stack, meta[f"replica_model{suffix}"], setup.replicas, port,
+                                                          out / f"{side_name}.log")
         if setup.follow_speed:
             if "speed_ref" not in meta:  # the engines' speed in the calibration's minutes
                 meta["speed_ref"] = asdict(read_sync(real))
                 meta_path.write_text(json.dumps(meta, indent=1))
             port = sim_port + 10 * len(setup.calibrations)
-            urls = [f"http://127.0.0.1:{port + i}" for i in range(setup.replicas)]
-            sim = stack.enter_context(process([python(), "-m", "sim.cli", "serve", "--config",
-                                               meta["replica_model_together"], "--replicas", str(setup.replicas),
-                                               "--port", str(port)], out / f"{FOLLOWED}.log", urls[-1] + "/health",
-                                              60))
-            sides[FOLLOWED], pids[FOLLOWED] = urls, [sim.pid]
+            sides[FOLLOWED], pids[FOLLOWED] = serve_sim(stack, meta["replica_model_together"], setup.replicas, port,
+                                                        out / f"{FOLLOWED}.log")
         policies = tuple(dict.fromkeys(setup.policies + setup.chat_policies))
         for k, (side_name, urls) in enumerate(sides.items()):
             port = gw_port + 100 * (k + 1)
@@ -459,15 +448,15 @@ def measure(setup: Setup) -> None:
                         continue
                     rate = run.load if run.workload == "chat" else run.load * meta[f"capacity_real_{run.workload}"]
                     duration = setup.chat_duration if run.workload == "chat" else setup.duration
-                    speed: dict[str, Any] = {}
+                    pace: dict[str, Any] = {}  # the engines' speed before a real run; a followed run's scale
                     if setup.follow_speed and side_name == "real":
-                        speed["engine_speed"] = asdict(read_sync(urls))
+                        pace["engine_speed"] = asdict(read_sync(urls))
                     elif side_name == FOLLOWED:
                         twin = done[replace(run, side="real").key]
-                        speed["scale"] = twin["engine_speed"]["ms_a_step"] / meta["speed_ref"]["ms_a_step"]
-                        set_scale(urls, speed["scale"])
+                        pace["scale"] = twin["engine_speed"]["ms_a_step"] / meta["speed_ref"]["ms_a_step"]
+                        set_scale(urls, pace["scale"])
                     row = {**run_point(run, side, rate, duration, tokenizer, hash_text(run.key.split("/", 1)[1]),
-                                       out / "tmp-run"), **speed}
+                                       out / "tmp-run"), **pace}
                     with results.open("a") as f:
                         f.write(json.dumps(row) + "\n")
                     done[run.key] = row

@@ -41,10 +41,8 @@ def per_run(row: dict[str, Any], replicas: int) -> tuple[float, float, float] | 
 
 
 def model_ms(model: ReplicaModel, sampled: float, prompt: float) -> float:
-    """The replica model's step at this batch and these prompt tokens (between the measured batch sizes)."""
-    lo, hi = math.floor(sampled), math.ceil(sampled)
-    step = model.step(max(lo, 1)) + (model.step(max(hi, 1)) - model.step(max(lo, 1))) * (sampled - lo)
-    return 1000 * (step + model.prefill_s_per_token * prompt)
+    """The replica model's step at this (mean, fractional) batch and these prompt tokens."""
+    return 1000 * (model.step(sampled) + model.prefill_s_per_token * prompt)
 
 
 def _twin(row: dict[str, Any]) -> tuple[Any, ...]:

@@ -240,7 +240,6 @@ class Engine:
             return
         self._busy = True
         self.steps_total += 1
-        self.iteration_tokens_total += (self._n_dec if self._decode else 0) + sum(c for _, _, c in self._chunks)
         self.max_blocks_used = max(self.max_blocks_used, self.used_blocks)
         self.clock.call_at(self.clock.now() + self.steptime.host_s(seqs), self._launch, self._device_s())
 
@@ -256,6 +255,7 @@ class Engine:
             kv_read += done
             attn += ((done + chunk) ** 2 - done * done) / 2
             sampled += done + chunk == req.target
+        self.iteration_tokens_total += tokens  # the step's tokens, counted once: here, where they are summed
         return self.steptime.device_s(tokens, sampled, kv_read, attn)
 
     def _launch(self, device_s: float) -> None:

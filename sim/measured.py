@@ -81,7 +81,7 @@ class ReplicaModel:
     def prefill_tokens_s(self) -> float:
         return 1.0 / self.prefill_s_per_token if self.prefill_s_per_token else float("inf")
 
-    def step(self, seqs: int, context: float | None = None) -> float:
+    def step(self, seqs: float, context: float | None = None) -> float:
         """Seconds of a step over `seqs` sequences (of `context` tokens each on average, when the model knows how
         a step grows with the context), interpolated between the measured points, extrapolated past them."""
         short = _interpolate(self.step_s, seqs)
@@ -130,7 +130,7 @@ class ReplicaModel:
             raise ConfigError(f"{str(path)!r} is not JSON: {exc}") from None
 
 
-def _interpolate(table: tuple[tuple[int, float], ...], seqs: int) -> float:
+def _interpolate(table: tuple[tuple[int, float], ...], seqs: float) -> float:
     """Linear in the batch size between measured points, along the last segment beyond, flat below the first."""
     if seqs <= table[0][0] or len(table) == 1:
         return table[0][1] if seqs <= table[0][0] else table[-1][1]
