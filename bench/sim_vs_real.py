@@ -61,6 +61,7 @@ from .common import figure_path, machine_speed, markdown_table, pyplot, save
 from .engine_speed import counters, read_sync
 from .sim_vs_real_inflight import inflight_lines
 from .sim_vs_real_ranking import ranking_lines
+from .sim_vs_real_rounds import rounds_lines
 from .sim_vs_real_steps import steps_lines
 
 POLICIES = ("prefix_affinity", "least_outstanding_tokens", "least_requests", "round_robin")
@@ -297,6 +298,12 @@ class Setup:
     calibrations: tuple[str, ...] = ("together",)  # each a simulated side (CALIBRATIONS)
     repeats: int = 0  # times the real side's first run is run again, spread over the real side's series
     follow_speed: bool = False  # a side FOLLOWED: the together calibration at each real run's engine speed
+    calibration_rounds: int = 1  # each calibration's profiles taken this many times, spread over the real side
+
+    def round_marks(self, real_runs: int) -> dict[int, int]:
+        """Where the calibration rounds after the first are taken: {index of the real run they come before: the
+        round}, evenly over the real side's series (round 0 comes before it all)."""
+        return {round(k * real_runs / self.calibration_rounds): k for k in range(1, self.calibration_rounds)}
 
     def runs(self, side: str) -> list[Run]:
         """The side's runs in order; on the real side, `repeats` runs of its first run interleaved evenly (the
@@ -341,15 +348,19 @@ def done_runs(path: Path) -> dict[str, dict[str, Any]]:
                 repeat=r.get("repeat", 0)).key: r for r in rows}
 
 
-def calibrate(out: Path, names: Sequence[str], urls: Sequence[str], suffix: str, max_num_seqs: int,
-              tokenizer: str, prompt_seed: int) -> tuple[str, str]:
-    """Profile `urls` at once (each with every profile in `names`, one after another), fit a replica model to the
-    first one's profiles: (`sim calibrate`'s report, the model file). `prompt_seed`: another calibration's profiles
-    of the same replicas left their prompts in the prefix cache; each calibration has its own."""
-    profiles = []
+def round_dir(out: Path, name: str, suffix: str, round_k: int) -> Path:
+    """Where round `round_k` of one calibration's profile `name` is (round 0: where a single round always was)."""
+    return out / (f"{name}{suffix}" + (f"-r{round_k}" if round_k else ""))
+
+
+def profile_round(out: Path, names: Sequence[str], urls: Sequence[str], suffix: str, tokenizer: str,
+                  prompt_seed: int, round_k: int) -> None:
+    """One round of a calibration: `urls` profiled at once, each with every profile in `names`, one after another
+    (a rerun skips the points on disk). `prompt_seed`: the prefix cache still holds the prompts of every round and
+    calibration before, so each has its own."""
     for name in names:
-        dirs = [out / f"{name}{suffix}" / str(i) if len(urls) > 1 else out / f"{name}{suffix}"
-                for i in range(len(urls))]
+        base = round_dir(out, name, suffix, round_k)
+        dirs = [base / str(i) if len(urls) > 1 else base for i in range(len(urls))]
         procs = [subprocess.Popen([python(), "-m", "planner.cli", "profile", "--url", url, "--out", str(d),
                                    *PROFILES[name], "--tokenizer", tokenizer, "--prompt-seed", str(prompt_seed)],
                                   stdout=subprocess.DEVNULL,
@@ -358,7 +369,17 @@ def calibrate(out: Path, names: Sequence[str], urls: Sequence[str], suffix: str,
             _, err = proc.communicate(timeout=900)
             if proc.returncode:
                 raise RuntimeError(f"planner profile failed: {err.decode()[-2000:]}")
-        profiles += ["--profile", str(dirs[0])]
+
+
+def calibrate(out: Path, names: Sequence[str], replicas: int, suffix: str, rounds: int, max_num_seqs: int,
+              tokenizer: str) -> tuple[str, str]:
+    """Fit a replica model to the first replica's profiles, every round of them (`sim calibrate` takes, point by
+    point, the round with the median TPOT): (`sim calibrate`'s report, the model file)."""
+    profiles = []
+    for round_k in range(rounds):
+        for name in names:
+            base = round_dir(out, name, suffix, round_k)
+            profiles += ["--profile", str(base / "0" if replicas > 1 else base)]
     model_path = out / f"replica{suffix}.json"
     fit = subprocess.run([python(), "-m", "sim.cli", "calibrate", *profiles, "--out", str(model_path),
                           "--max-num-seqs", str(max_num_seqs), "--max-num-batched-tokens", str(BATCHED_TOKENS),
@@ -406,36 +427,49 @@ def measure(setup: Setup) -> None:
         real = [r["url"] for r in base["replicas"]]
         meta_path = out / "meta.json"
         meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
-        meta["replicas"] = len(real)
-        sides: dict[str, list[str]] = {"real": real}
-        pids: dict[str, list[int]] = {"real": [r["pid"] for r in json.loads((run_dir / "state.json").read_text())
-                                               ["replicas"]]}
-        for k, calibration in enumerate(setup.calibrations):
-            side_name = CALIBRATIONS[calibration]
-            suffix = "" if calibration == "isolated" else f"_{calibration}"
-            if f"replica_model{suffix}" not in meta:
-                speed = [machine_speed() for _ in range(3)]  # the machine's speed about the profile, as about a run
-                meta[f"calibration{suffix}"], meta[f"replica_model{suffix}"] = calibrate(
-                    out, setup.profiles, real if calibration == "together" else real[:1], suffix,
-                    base["replicas"][0]["max_num_seqs"], tokenizer, prompt_seed=k)
-                speed += [machine_speed() for _ in range(3)]
-                meta[f"speed_us{suffix}"] = float(np.median(speed))
-                meta_path.write_text(json.dumps(meta, indent=1))
-            port = sim_port + 10 * k
-            urls = [f"http://127.0.0.1:{port + i}" for i in range(setup.replicas)]
-            sides[side_name], pids[side_name] = serve_sim(stack, meta[f"replica_model{suffix}"], setup.replicas, port,
-                                                          out / f"{side_name}.log")
-        if setup.follow_speed:
-            if "speed_ref" not in meta:  # the engines' speed in the calibration's minutes
-                meta["speed_ref"] = asdict(read_sync(real))
-                meta_path.write_text(json.dumps(meta, indent=1))
-            port = sim_port + 10 * len(setup.calibrations)
-            sides[FOLLOWED], pids[FOLLOWED] = serve_sim(stack, meta["replica_model_together"], setup.replicas, port,
-                                                        out / f"{FOLLOWED}.log")
+        meta["replicas"], meta["profiles"] = len(real), list(setup.profiles)
+        real_pids = [r["pid"] for r in json.loads((run_dir / "state.json").read_text())["replicas"]]
+
+        def suffix(calibration: str) -> str:
+            return "" if calibration == "isolated" else f"_{calibration}"
+
+        def take_round(round_k: int) -> None:
+            """Round `round_k` of every calibration not fitted yet."""
+            for k, calibration in enumerate(setup.calibrations):
+                if f"replica_model{suffix(calibration)}" not in meta:
+                    profile_round(out, setup.profiles, real if calibration == "together" else real[:1],
+                                  suffix(calibration), tokenizer, k + round_k * len(setup.calibrations), round_k)
+
+        if any(f"replica_model{suffix(c)}" not in meta for c in setup.calibrations):
+            speed = [machine_speed() for _ in range(3)]  # the machine's speed about the first round, as about a run
+            take_round(0)
+            speed += [machine_speed() for _ in range(3)]
+            for calibration in setup.calibrations:
+                meta.setdefault(f"speed_us{suffix(calibration)}", float(np.median(speed)))
+            meta_path.write_text(json.dumps(meta, indent=1))
+        if setup.follow_speed and "speed_ref" not in meta:  # the engines' speed in the calibration's minutes
+            meta["speed_ref"] = asdict(read_sync(real))
+            meta_path.write_text(json.dumps(meta, indent=1))
+        rounds_at = setup.round_marks(len(setup.runs("real")))
         policies = tuple(dict.fromkeys(setup.policies + setup.chat_policies))
-        for k, (side_name, urls) in enumerate(sides.items()):
+        sides = ("real", *(CALIBRATIONS[c] for c in setup.calibrations), *((FOLLOWED,) if setup.follow_speed else ()))
+        for k, side_name in enumerate(sides):
             port = gw_port + 100 * (k + 1)
-            with gateways(out, base, side_name, urls, policies, port, pids[side_name]) as side:
+            if side_name == "real":
+                urls, pids = real, real_pids
+            else:  # every real run is done, every round of the calibrations taken
+                calibration = "together" if side_name == FOLLOWED else next(
+                    c for c, n in CALIBRATIONS.items() if n == side_name)
+                if f"replica_model{suffix(calibration)}" not in meta:
+                    meta[f"calibration{suffix(calibration)}"], meta[f"replica_model{suffix(calibration)}"] = \
+                        calibrate(out, setup.profiles, len(real) if calibration == "together" else 1,
+                                  suffix(calibration), setup.calibration_rounds,
+                                  base["replicas"][0]["max_num_seqs"], tokenizer)
+                    meta[f"calibration_rounds{suffix(calibration)}"] = setup.calibration_rounds
+                    meta_path.write_text(json.dumps(meta, indent=1))
+                urls, pids = serve_sim(stack, meta[f"replica_model{suffix(calibration)}"], setup.replicas,
+                                       sim_port + 10 * k, out / f"{side_name}.log")
+            with gateways(out, base, side_name, urls, policies, port, pids) as side:
                 for workload in setup.workloads:
                     key = f"capacity_{side_name}_{workload}"
                     if key not in meta:
@@ -443,7 +477,9 @@ def measure(setup: Setup) -> None:
                                              setup.capacity_requests)
                         meta_path.write_text(json.dumps(meta, indent=1))
                         print(f"{side_name} capacity, {workload}: {meta[key]:.2f} req/s", flush=True)
-                for run in setup.runs(side_name):
+                for j, run in enumerate(setup.runs(side_name)):
+                    if side_name == "real" and j in rounds_at:
+                        take_round(rounds_at[j])
                     if run.key in done:
                         continue
                     rate = run.load if run.workload == "chat" else run.load * meta[f"capacity_real_{run.workload}"]
@@ -582,9 +618,17 @@ def report(out: Path, meta: dict[str, Any]) -> str:
                                                "profiles fitted)")):
         if key in meta:
             speed = meta.get(key.replace("calibration", "speed_us"))
+            rounds = int(meta.get(key.replace("calibration", "calibration_rounds"), 1))
             lines += [f"Calibration of {what}, `sim calibrate --profile`"
-                      + (f" (speedometer about the profile: {speed / 1000:.1f} ms)" if speed else "") + ":", "",
+                      + (f" over {rounds} rounds" if rounds > 1 else "")
+                      + (f" (speedometer about the {'first round' if rounds > 1 else 'profile'}: {speed / 1000:.1f} ms)"
+                         if speed else "") + ":", "",
                       "```", meta[key].strip(), "```", ""]
+            suffix = key.removeprefix("calibration")
+            first = "0" if suffix and int(meta.get("replicas", 2)) > 1 else ""  # the first replica's directory
+            if rounds > 1:
+                lines += rounds_lines([[round_dir(out, name, suffix, k) / first for k in range(rounds)]
+                                       for name in meta["profiles"]], what.split(" ")[0])
     lines += repeatability(rows)
     if "speed_ref" in meta:
         scales = [r["scale"] for r in rows if "scale" in r]
@@ -705,6 +749,9 @@ def main(argv: Sequence[str] | None = None) -> None:
                         "load; isolated: from the first replica profiled alone")
     parser.add_argument("--follow-speed", action="store_true", help="add a side sim-followed: the together "
                         "calibration, each run scaled by the real engines' speed just before the matching real run")
+    parser.add_argument("--calibration-rounds", type=int, default=1, help="take each calibration's profiles this "
+                        "many times, the first before the real runs, the others spread over them; the fit takes, "
+                        "point by point, the round with the median TPOT (1)")
     parser.add_argument("--repeats", type=int, help="run the real side's first run this many more "
                         "times, spread over its series, to measure how repeatable the real side is (3; --quick: 0)")
     parser.add_argument("--report", action="store_true", help="only rebuild the report from OUT/runs.jsonl")
@@ -725,7 +772,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     if repeats < 0:
         parser.error(f"--repeats must be >= 0, got {repeats}")
     setup = replace(setup, deployment=args.deployment, calibrations=tuple(args.calibrations.split(",")),
-                    repeats=repeats, follow_speed=args.follow_speed)
+                    repeats=repeats, follow_speed=args.follow_speed, calibration_rounds=args.calibration_rounds)
+    if setup.calibration_rounds < 1:
+        parser.error(f"--calibration-rounds must be >= 1, got {setup.calibration_rounds}")
     if setup.follow_speed and "together" not in setup.calibrations:
         parser.error("--follow-speed scales the together calibration: add together to --calibrations")
     sides = ("real", *(CALIBRATIONS[c] for c in setup.calibrations), *((FOLLOWED,) if setup.follow_speed else ()))

@@ -67,8 +67,9 @@ def _parser() -> argparse.ArgumentParser:
     cal = sub.add_parser("calibrate", help="compare the simulator with the reference (and optionally refit)")
     cal.add_argument("--fit", action="store_true", help="refit the three step-time constants first (minutes)")
     cal.add_argument("--profile", metavar="DIR", action="append", help="fit a replica model to this `planner "
-                     "profile` of a real replica instead, and write it to --out; a second profile with longer "
-                     "requests adds how a step grows with the context")
+                     "profile` of a real replica instead, and write it to --out; a profile with longer "
+                     "requests adds how a step grows with the context; more profiles of one workload are rounds "
+                     "(each point: the round with the median TPOT)")
     cal.add_argument("--out", metavar="FILE", help="with --profile: where to write the replica model (JSON)")
     cal.add_argument("--max-num-seqs", type=int, help="the profiled replica's batch cap (if not in the profile)")
     cal.add_argument("--max-num-batched-tokens", type=int, help="its token budget per step (if not in the profile)")

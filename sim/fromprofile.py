@@ -286,20 +286,51 @@ def _context(profile: Profile) -> float:
     return (work.input_tokens or 0) + (work.output_tokens or 0) / 2
 
 
+def median_of_rounds(rounds: Sequence[Profile]) -> Profile:
+    """Rounds of one profile (the same workload and batch sizes, taken minutes apart) as one profile: at each batch
+    size, the round whose TPOT mean is the median (the lower middle of an even count), whole, so that the point's
+    TTFT, TPOT and ITL stay one measurement's. A round caught in a fast or a slow minute of a shared machine is
+    outvoted point by point."""
+    first = rounds[0]
+    sizes = [p.batch_size for p in first.points]
+    for other in rounds[1:]:
+        if other.context.workload != first.context.workload or [p.batch_size for p in other.points] != sizes:
+            raise CalibrationError(f"{other.context.source!r} is not a round of {first.context.source!r}: give "
+                                   f"rounds of one profile the same workload and batch sizes")
+    if len(rounds) == 1:
+        return first
+    points = []
+    for k in range(len(sizes)):
+        by_tpot = sorted((r.points[k] for r in rounds), key=lambda p: p.tpot_ms.mean or 0.0)
+        points.append(by_tpot[(len(by_tpot) - 1) // 2])
+    return Profile(tuple(points), replace(first.context, source=" + ".join(r.context.source for r in rounds)))
+
+
+def _grouped(profiles: Sequence[Profile]) -> list[Profile]:
+    """The profiles by workload, in the order each workload first comes, every group's rounds as one."""
+    groups: dict[object, list[Profile]] = {}
+    for profile in profiles:
+        groups.setdefault(profile.context.workload, []).append(profile)
+    return [median_of_rounds(group) for group in groups.values()]
+
+
 def calibrate(profile_dir: str | Path, given: EngineFacts = EngineFacts(), iters: int = 40,
               extra: Sequence[str | Path] = ()) -> tuple[ReplicaModel, list[PointFit]]:
     """The fitted replica model and its point-by-point comparison with the profile(s).
 
-    `extra`: at most one more profile of the same replica with longer requests; its steps (one per batch size)
-    are fitted too, and make a step grow with the decoding sequences' context.
+    `extra`: more profiles of the same replica. One with the first's workload is another round of it (see
+    `median_of_rounds`); one with longer requests (and its own rounds) has its steps (one per batch size) fitted
+    too, and makes a step grow with the decoding sequences' context.
     """
-    if len(extra) > 1:
-        raise CalibrationError("give at most two profiles: one with short requests, one with long ones")
-    profile = _load(profile_dir, given)
+    groups = _grouped([_load(path, given) for path in (profile_dir, *extra)])
+    if len(groups) > 2:
+        raise CalibrationError("give profiles of at most two workloads: one with short requests, one with long "
+                               "ones (several profiles of one workload are rounds)")
+    profile = groups[0]
     start = initial_model(profile, facts_from_profile(profile, given))
     profiles = [profile]
-    if extra:
-        long = _load(extra[0], given)
+    if len(groups) == 2:
+        long = groups[1]
         if _context(long) <= _context(profile):
             raise CalibrationError(f"the second profile ({long.context.source!r}) must have longer requests than "
                                    f"the first ({_context(long):.0f} against {_context(profile):.0f} tokens)")
@@ -319,7 +350,7 @@ def calibrate(profile_dir: str | Path, given: EngineFacts = EngineFacts(), iters
 
     best = nelder_mead(loss, x0, x0 * 0.3 + 1e-3, iters * len(profiles))
     fitted = model_of(best)
-    if extra:
+    if len(profiles) == 2:
         fitted = replace(fitted, source={**fitted.source, "long_profile": profiles[1].context.source,
                                          "long_step_s": "fitted: the long profile replayed in virtual time"})
     return fitted, [r for p in profiles for r in compare(fitted, p)]

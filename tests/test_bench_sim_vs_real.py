@@ -142,3 +142,38 @@ def test_the_engines_steps_are_set_side_by_side_and_against_the_replica_model(tm
     followed = [*rows[:2], {**_stepped("sim-followed", 2000, 16000, 20000), "scale": 1.2}]
     assert "| 10.00 | 10.00 | +0% | 10.0 | 10.0 | 10.80 | +8% |" in \
         "\n".join(steps_lines(followed, 2, "sim-followed", str(path), scaled=True))
+
+
+def test_calibration_rounds_are_spread_over_the_real_series_and_their_spread_is_reported(tmp_path: Path) -> None:
+    """3 rounds over 12 real runs: round 0 before all, round 1 before run 4, round 2 before run 8. The report
+    section gives each round's TPOT at each point, the largest over the smallest and the round fitted (the median)."""
+    from dataclasses import replace as replaced
+
+    from planner.points import Latency, ProfileContext, ProfilePoint, Workload
+    from planner.sources import write_point
+
+    from bench.sim_vs_real import round_dir
+    from bench.sim_vs_real_rounds import rounds_lines
+
+    assert replaced(setup(0), calibration_rounds=3).round_marks(12) == {4: 1, 8: 2}
+    assert setup(0).round_marks(12) == {}
+    context = ProfileContext(model="m", device="cpu", workload=Workload("fixed", 256, 64))
+    for k, tpots in enumerate(((5.0, 10.0), (6.0, 8.0), (4.0, 9.0))):
+        for b, tpot in zip((1, 4), tpots):
+            write_point(round_dir(tmp_path, "profile", "_together", k) / "0", context,
+                        ProfilePoint(batch_size=b, total_tok_s=1.0, tpot_ms=Latency(mean=tpot)))
+    dirs = [[round_dir(tmp_path, "profile", "_together", k) / "0" for k in range(3)]]
+    assert dirs[0][1] == tmp_path / "profile_together-r1" / "0"
+    text = "\n".join(rounds_lines(dirs, "`sim-together`"))
+    assert "## Calibration rounds (`sim-together`)" in text
+    assert "| 256 + 64 | 1 | 5.00 | 6.00 | 4.00 | 1.50 | 0 |" in text
+    assert "| 256 + 64 | 4 | 10.00 | 8.00 | 9.00 | 1.25 | 2 |" in text
+    assert rounds_lines(dirs + [[tmp_path / "missing"] * 3], "x") == [] and rounds_lines([dirs[0][:1]], "x") == []
+
+
+def test_fewer_than_one_calibration_round_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    from bench.sim_vs_real import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--calibration-rounds", "0", "--dry-run"])
+    assert exc.value.code == 2 and "--calibration-rounds must be >= 1, got 0" in capsys.readouterr().err

@@ -292,7 +292,8 @@ def test_the_simulator_against_these_replicas_quick(deployment: Deployment, tmp_
     schedule through a gateway per policy on both sides; every request completes and the simulator's median TTFT,
     TPOT and E2E are within a factor of three of the real ones (the goal's 15% is the full run's to judge). With
     `--calibrations isolated,together`, a second simulated side calibrated from both replicas profiled at once;
-    with `--repeats 1`, the real side's first run once more, set beside the first in the report."""
+    with `--repeats 1`, the real side's first run once more, set beside the first in the report; with
+    `--calibration-rounds 2`, every calibration's profiles taken twice and fitted together."""
     import math
 
     from sim.measured import ReplicaModel
@@ -300,7 +301,7 @@ def test_the_simulator_against_these_replicas_quick(deployment: Deployment, tmp_
     out = tmp_path / "svr"
     done = subprocess.run([sys.executable, "-m", "bench.sim_vs_real", "--quick", "--out", str(out), "--port", "18500",
                            "--deployment", str(deployment.run_dir), "--calibrations", "isolated,together",
-                           "--repeats", "1", "--follow-speed"],
+                           "--repeats", "1", "--follow-speed", "--calibration-rounds", "2"],
                           capture_output=True, text=True, timeout=840,
                           cwd=Path(__file__).resolve().parent.parent)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -315,6 +316,11 @@ def test_the_simulator_against_these_replicas_quick(deployment: Deployment, tmp_
     assert together.max_num_seqs == 32
     assert sorted(p.name for p in (out / "profile-quick_together" / "1").glob("point-b*.json")) == [
         "point-b00001.json", "point-b00008.json"]  # the second replica, profiled at the same time
+    # --calibration-rounds 2: both calibrations profiled again halfway through the real series, the fit over both
+    for directory in ("profile-quick-r1", "profile-quick_together-r1/0", "profile-quick_together-r1/1"):
+        assert len(list((out / directory).glob("point-b*.json"))) == 2, directory
+    assert str(out / "profile-quick_together-r1" / "0") in together.source["profile"]
+    assert "## Calibration rounds (`sim-together`)" in (out / "report.md").read_text()
     assert all(r["failed"] == 0 and r["completed"] > 10 for r in rows)
     # where the CPU went: two cores, each replica's process tree using part of one
     assert all(len(r["cpu"]["cores_busy"]) == os.cpu_count() and 0 < sum(r["cpu"]["replicas"]) for r in rows), \

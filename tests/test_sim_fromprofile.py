@@ -260,3 +260,30 @@ def test_two_profiles_fit_how_a_step_grows_with_the_context(tmp_path: Path) -> N
     assert ttft_errors[len(rows) // 2] < 0.15 and ttft_errors[-1] < 0.4, ttft_errors  # a short search, 7 points
     with pytest.raises(CalibrationError, match="longer requests"):
         calibrate(tmp_path / "long", FACTS, extra=[tmp_path / "short"])
+
+
+def test_rounds_of_one_profile_are_fitted_point_by_point_from_the_median_round(tmp_path: Path) -> None:
+    """Three rounds of one profile: one caught in a slow minute (every step 1.5 x), one fast at B = 4 only (0.6 x).
+    The fit over the three is the fit of the round that saw the true replica; the report names every round."""
+    slow = replace(TRUE, step_s=tuple((b, s * 1.5) for b, s in TRUE.step_s))
+    fast4 = replace(TRUE, step_s=tuple((b, s * (0.6 if b == 4 else 1.0)) for b, s in TRUE.step_s))
+    for name, model in (("slow", slow), ("true", TRUE), ("fast4", fast4)):
+        write_profile(tmp_path / name, model)
+    fitted, rows = calibrate(tmp_path / "slow", FACTS, iters=20, extra=[tmp_path / "true", tmp_path / "fast4"])
+    alone, _ = calibrate(tmp_path / "true", FACTS, iters=20)
+    assert fitted.step_s == TRUE.step_s and fitted == replace(alone, source=fitted.source)
+    assert len(rows) == len(TRUE.step_s)
+    assert all(str(tmp_path / name) in fitted.source["profile"] for name in ("slow", "true", "fast4"))
+    single, _ = calibrate(tmp_path / "fast4", FACTS, iters=5)
+    assert dict(single.step_s)[4] == pytest.approx(0.6 * 0.0085, rel=0.02)  # one round alone keeps its minute
+
+
+def test_a_round_with_other_batch_sizes_is_an_error_and_three_workloads_are_too(tmp_path: Path) -> None:
+    write_profile(tmp_path / "a", TRUE)
+    write_profile(tmp_path / "b", replace(TRUE, step_s=TRUE.step_s[:3]))
+    with pytest.raises(CalibrationError, match="is not a round of"):
+        calibrate(tmp_path / "a", FACTS, extra=[tmp_path / "b"])
+    write_profile(tmp_path / "c", TRUE, prompt=512)
+    write_profile(tmp_path / "d", TRUE, prompt=1024)
+    with pytest.raises(CalibrationError, match="at most two workloads"):
+        calibrate(tmp_path / "a", FACTS, extra=[tmp_path / "c", tmp_path / "d"])
