@@ -9,7 +9,9 @@ One command:
 3. `sim calibrate --profile` fits a replica model to the first replica's profiles; `sim serve --config` starts N
    replicas imitating it: the simulated side "sim-together". `--calibrations isolated,together` adds a side "sim"
    calibrated from the first replica profiled alone (the way before 2026-11-26: 29% median error in TTFT p50
-   where "together" had 13%, docs/sim.md), each calibration with prompts of its own (`--prompt-seed`);
+   where "together" had 13%, docs/sim.md), each calibration with prompts of its own (`--prompt-seed`).
+   `--calibration-rounds R` takes the profiles R times, the first before the real runs and the others spread over
+   them, and fits the point-by-point median round; the report sets each round's model beside the fit;
 4. on each side, one gateway per policy (deploy's gateway config, its policy and port changed) over that side's
    replicas; each side's capacity for each single-turn workload is measured (closed loop, 64 in flight);
 5. every point (workload, arrivals, load, seed) runs `loadtest run` through each policy's gateway, policies in a
@@ -57,12 +59,15 @@ from typing import Any
 import numpy as np
 import yaml
 
+from deploy.tinymodel import ensure_tiny_model
+from sim.measured import ReplicaModel
+
 from .common import figure_path, machine_speed, markdown_table, pyplot, save
 from .engine_speed import counters, read_sync
 from .sim_vs_real_inflight import inflight_lines
 from .sim_vs_real_ranking import ranking_lines
-from .sim_vs_real_rounds import rounds_lines
-from .sim_vs_real_steps import steps_lines
+from .sim_vs_real_rounds import models_lines, rounds_lines
+from .sim_vs_real_steps import steps_lines, warmup_scale
 
 POLICIES = ("prefix_affinity", "least_outstanding_tokens", "least_requests", "round_robin")
 CHAT_POLICIES = ("prefix_affinity", "consistent_hash", "least_outstanding_tokens", "round_robin")
@@ -83,6 +88,7 @@ BATCHED_TOKENS, MAX_MODEL_LEN = 2048, 2048  # vLLM-CPU's token budget (API serve
 MODEL = "tiny-opt"
 CALIBRATIONS = {"together": "sim-together", "isolated": "sim"}  # how the profiles are taken -> the simulated side
 REPEAT = "real-repeat"  # the real side's first run again, to measure how repeatable the real side is
+MATCHED = "sim-matched"  # the together calibration, its steps scaled to the real engines' own in the seed-0 runs
 FOLLOWED = "sim-followed"  # the "together" calibration scaled, run by run, by the real engines' speed then
 
 
@@ -299,6 +305,7 @@ class Setup:
     repeats: int = 0  # times the real side's first run is run again, spread over the real side's series
     follow_speed: bool = False  # a side FOLLOWED: the together calibration at each real run's engine speed
     calibration_rounds: int = 1  # each calibration's profiles taken this many times, spread over the real side
+    match_steps: bool = False  # a side MATCHED, run on the seeds after the first (the first is its warm-up)
 
     def round_marks(self, real_runs: int) -> dict[int, int]:
         """Where the calibration rounds after the first are taken: {index of the real run they come before: the
@@ -310,6 +317,8 @@ class Setup:
         last after everything else), so the report can say how far two identical real runs differ, and whether
         the real replicas drift over the series."""
         runs = self._runs(side)
+        if side == MATCHED:  # seed 0's real runs are its warm-up: it is judged on the others only
+            return [r for r in runs if r.seed > 0]
         if side != "real" or not self.repeats or not runs:
             return runs
         marks = [max(1, round(k * len(runs) / self.repeats)) for k in range(1, self.repeats + 1)]
@@ -371,22 +380,38 @@ def profile_round(out: Path, names: Sequence[str], urls: Sequence[str], suffix: 
                 raise RuntimeError(f"planner profile failed: {err.decode()[-2000:]}")
 
 
-def calibrate(out: Path, names: Sequence[str], replicas: int, suffix: str, rounds: int, max_num_seqs: int,
-              tokenizer: str) -> tuple[str, str]:
-    """Fit a replica model to the first replica's profiles, every round of them (`sim calibrate` takes, point by
-    point, the round with the median TPOT): (`sim calibrate`'s report, the model file)."""
+def calibrate(out: Path, names: Sequence[str], replicas: int, suffix: str, rounds: Sequence[int], max_num_seqs: int,
+              tokenizer: str, model_path: Path) -> str:
+    """Fit a replica model to the first replica's profiles in `rounds` (`sim calibrate` takes, point by point,
+    the round with the median TPOT) and write it to `model_path`: `sim calibrate`'s report."""
     profiles = []
-    for round_k in range(rounds):
+    for round_k in rounds:
         for name in names:
             base = round_dir(out, name, suffix, round_k)
             profiles += ["--profile", str(base / "0" if replicas > 1 else base)]
-    model_path = out / f"replica{suffix}.json"
     fit = subprocess.run([python(), "-m", "sim.cli", "calibrate", *profiles, "--out", str(model_path),
                           "--max-num-seqs", str(max_num_seqs), "--max-num-batched-tokens", str(BATCHED_TOKENS),
                           "--chunked-prefill", "--prefix-caching", "--max-model-len", str(MAX_MODEL_LEN),
                           "--tokenizer", tokenizer, "--served-model-name", MODEL],
                          check=True, timeout=900, capture_output=True, text=True)
-    return fit.stdout, str(model_path)
+    return fit.stdout
+
+
+def round_models(out: Path, meta: dict[str, Any], suffix: str) -> list[str]:
+    """Each round of a calibration fitted alone (OUT/replica{suffix}-r{k}.json, fitted once): what a single round
+    would have given, to set beside the fit over all of them."""
+    rounds = int(meta.get(f"calibration_rounds{suffix}", 1))
+    if rounds < 2:
+        return []
+    fitted = ReplicaModel.load(meta[f"replica_model{suffix}"])
+    paths = []
+    for k in range(rounds):
+        path = out / f"replica{suffix}-r{k}.json"
+        if not path.exists():
+            calibrate(out, meta["profiles"], int(meta["replicas"]) if suffix else 1, suffix, [k],
+                      fitted.max_num_seqs, fitted.tokenizer or str(ensure_tiny_model()), path)
+        paths.append(str(path))
+    return paths
 
 
 def serve_sim(stack: ExitStack, model: str, replicas: int, port: int, log: Path) -> tuple[list[str], list[int]]:
@@ -408,8 +433,6 @@ def set_scale(urls: Sequence[str], scale: float) -> None:
 
 
 def measure(setup: Setup) -> None:
-    from deploy.tinymodel import ensure_tiny_model
-
     out = setup.out
     out.mkdir(parents=True, exist_ok=True)
     results = out / "runs.jsonl"
@@ -452,23 +475,31 @@ def measure(setup: Setup) -> None:
             meta_path.write_text(json.dumps(meta, indent=1))
         rounds_at = setup.round_marks(len(setup.runs("real")))
         policies = tuple(dict.fromkeys(setup.policies + setup.chat_policies))
-        sides = ("real", *(CALIBRATIONS[c] for c in setup.calibrations), *((FOLLOWED,) if setup.follow_speed else ()))
+        sides = ("real", *(CALIBRATIONS[c] for c in setup.calibrations), *((MATCHED,) if setup.match_steps else ()),
+                 *((FOLLOWED,) if setup.follow_speed else ()))
         for k, side_name in enumerate(sides):
             port = gw_port + 100 * (k + 1)
             if side_name == "real":
                 urls, pids = real, real_pids
             else:  # every real run is done, every round of the calibrations taken
-                calibration = "together" if side_name == FOLLOWED else next(
+                calibration = "together" if side_name in (MATCHED, FOLLOWED) else next(
                     c for c, n in CALIBRATIONS.items() if n == side_name)
                 if f"replica_model{suffix(calibration)}" not in meta:
-                    meta[f"calibration{suffix(calibration)}"], meta[f"replica_model{suffix(calibration)}"] = \
-                        calibrate(out, setup.profiles, len(real) if calibration == "together" else 1,
-                                  suffix(calibration), setup.calibration_rounds,
-                                  base["replicas"][0]["max_num_seqs"], tokenizer)
+                    model_path = out / f"replica{suffix(calibration)}.json"
+                    meta[f"calibration{suffix(calibration)}"] = calibrate(
+                        out, setup.profiles, len(real) if calibration == "together" else 1, suffix(calibration),
+                        range(setup.calibration_rounds), base["replicas"][0]["max_num_seqs"], tokenizer, model_path)
+                    meta[f"replica_model{suffix(calibration)}"] = str(model_path)
                     meta[f"calibration_rounds{suffix(calibration)}"] = setup.calibration_rounds
                     meta_path.write_text(json.dumps(meta, indent=1))
                 urls, pids = serve_sim(stack, meta[f"replica_model{suffix(calibration)}"], setup.replicas,
                                        sim_port + 10 * k, out / f"{side_name}.log")
+                if side_name == MATCHED:
+                    if "matched_scale" not in meta:
+                        meta["matched_scale"] = warmup_scale(list(done.values()), len(real),
+                                                             meta["replica_model_together"])
+                        meta_path.write_text(json.dumps(meta, indent=1))
+                    set_scale(urls, meta["matched_scale"])
             with gateways(out, base, side_name, urls, policies, port, pids) as side:
                 for workload in setup.workloads:
                     key = f"capacity_{side_name}_{workload}"
@@ -487,6 +518,8 @@ def measure(setup: Setup) -> None:
                     pace: dict[str, Any] = {}  # the engines' speed before a real run; a followed run's scale
                     if setup.follow_speed and side_name == "real":
                         pace["engine_speed"] = asdict(read_sync(urls))
+                    elif side_name == MATCHED:
+                        pace["scale"] = meta["matched_scale"]
                     elif side_name == FOLLOWED:
                         twin = done[replace(run, side="real").key]
                         pace["scale"] = twin["engine_speed"]["ms_a_step"] / meta["speed_ref"]["ms_a_step"]
@@ -535,8 +568,9 @@ def ranking(by_policy: dict[str, dict[str, float]], metric: str = "ttft_p99") ->
     return sorted(by_policy, key=lambda p: by_policy[p][metric])
 
 
-def versus(real: dict[str, Any], sim: dict[str, Any], name: str) -> list[str]:
-    """The real side against one simulated side (`name`), per point and policy, and the median errors."""
+def versus(real: dict[str, Any], sim: dict[str, Any], name: str, note: str = "") -> list[str]:
+    """The real side against one simulated side (`name`), per point and policy, and the median errors (`note`: which
+    runs, where not all)."""
     head = ["point", "policy", "seeds", "requests real/sim", "TTFT p50 real", "sim", "err", "TTFT p99 real", "sim",
             "err", "TPOT p50 real", "sim", "err", "E2E p50 real", "sim", "err", "hit rate real", "sim"]
     body: list[list[object]] = []
@@ -561,10 +595,10 @@ def versus(real: dict[str, Any], sim: dict[str, Any], name: str) -> list[str]:
                         f"{b[metric]:.0f}" if metric != "tpot_p50" else f"{b[metric]:.1f}", f"{err:+.0%}"]
             row += [f"{a['hit_rate']:.1%}", f"{b['hit_rate']:.1%}"]
             body.append(row)
-    lines = [f"## Real against `{name}`, per point and policy (ms; err = sim / real - 1)", "",
+    lines = [f"## Real against `{name}`{note}, per point and policy (ms; err = sim / real - 1)", "",
              markdown_table(head, body), ""]
     if body:
-        lines += [f"`{name}`: median absolute error over all rows: " + ", ".join(
+        lines += [f"`{name}`{note}: median absolute error over all rows: " + ", ".join(
             f"{m} {np.median(np.abs(v)):.0%}" for m, v in errors.items()) + "; policies ranked the same by p99 "
             f"TTFT at {same_order} of {total_points} points.", ""]
         lines += ["By load, median error (signed): " + "; ".join(
@@ -629,6 +663,8 @@ def report(out: Path, meta: dict[str, Any]) -> str:
             if rounds > 1:
                 lines += rounds_lines([[round_dir(out, name, suffix, k) / first for k in range(rounds)]
                                        for name in meta["profiles"]], what.split(" ")[0])
+                lines += models_lines(rows, int(meta["replicas"]), meta[key.replace("calibration", "replica_model")],
+                                      round_models(out, meta, suffix))
     lines += repeatability(rows)
     if "speed_ref" in meta:
         scales = [r["scale"] for r in rows if "scale" in r]
@@ -644,6 +680,18 @@ def report(out: Path, meta: dict[str, Any]) -> str:
                       "_together")
         lines += steps_lines(rows, int(meta.get("replicas", 2)), side_name, meta.get(f"replica_model{suffix}"),
                              scaled=side_name == FOLLOWED)
+    if MATCHED in table:
+        held = [r for r in rows if r["seed"] > 0]
+        lines += [f"## `{MATCHED}`: steps matched to the real engines' own in the seed-0 runs", "",
+                  f"The together model with every step {meta['matched_scale']:.2f} x its own: the median, over the real "
+                  "side's seed-0 runs (the warm-up), of the engines' mean step over the model at their own batch "
+                  "(vLLM's counters). Judged on the other seeds only, beside `sim-together` on the same runs.", ""]
+        table_held = summarize(held)
+        for name in ("sim-together", MATCHED):
+            if name in table_held:
+                lines += versus(table_held["real"], table_held[name], name, " (seeds after the first)")
+        lines += steps_lines(held, int(meta.get("replicas", 2)), MATCHED, meta.get("replica_model_together"),
+                             scaled=True)
     lines += ["## The default on real replicas (p99 TTFT, ms, pooled over seeds)", ""]
     judged = []
     for point, by in real.items():
@@ -752,6 +800,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--calibration-rounds", type=int, default=1, help="take each calibration's profiles this "
                         "many times, the first before the real runs, the others spread over them; the fit takes, "
                         "point by point, the round with the median TPOT (1)")
+    parser.add_argument("--match-steps", action="store_true", help="add a side sim-matched: the together "
+                        "calibration, its steps scaled by how much slower the real engines stepped than it in the "
+                        "seed-0 runs (vLLM's counters, at their own batch); run and judged on the other seeds")
     parser.add_argument("--repeats", type=int, help="run the real side's first run this many more "
                         "times, spread over its series, to measure how repeatable the real side is (3; --quick: 0)")
     parser.add_argument("--report", action="store_true", help="only rebuild the report from OUT/runs.jsonl")
@@ -772,12 +823,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     if repeats < 0:
         parser.error(f"--repeats must be >= 0, got {repeats}")
     setup = replace(setup, deployment=args.deployment, calibrations=tuple(args.calibrations.split(",")),
-                    repeats=repeats, follow_speed=args.follow_speed, calibration_rounds=args.calibration_rounds)
+                    repeats=repeats, follow_speed=args.follow_speed, calibration_rounds=args.calibration_rounds,
+                    match_steps=args.match_steps)
+    if setup.match_steps and ("together" not in setup.calibrations or setup.seeds < 2):
+        parser.error("--match-steps scales the together calibration to the seed-0 runs and is judged on the other "
+                     "seeds: it needs together in --calibrations and --seeds 2 or more")
     if setup.calibration_rounds < 1:
         parser.error(f"--calibration-rounds must be >= 1, got {setup.calibration_rounds}")
     if setup.follow_speed and "together" not in setup.calibrations:
         parser.error("--follow-speed scales the together calibration: add together to --calibrations")
-    sides = ("real", *(CALIBRATIONS[c] for c in setup.calibrations), *((FOLLOWED,) if setup.follow_speed else ()))
+    sides = ("real", *(CALIBRATIONS[c] for c in setup.calibrations), *((MATCHED,) if setup.match_steps else ()),
+             *((FOLLOWED,) if setup.follow_speed else ()))
     runs = [r for side in sides for r in setup.runs(side)]
     if args.dry_run:
         print(f"{len(runs)} runs of {setup.duration:g} s of schedule (about {len(runs) * (setup.duration + 12) / 60:.0f}"

@@ -88,3 +88,18 @@ def steps_lines(rows: Sequence[dict[str, Any]], replicas: int, sim_side: str,
             "span x replicas / steps) and prompt tokens a step"
             + (", and the calibrated replica model evaluated at the real engines' batch and prompt tokens a step"
                if model else "") + ".", "", markdown_table(head, body), ""]
+
+
+def warmup_scale(rows: Sequence[dict[str, Any]], replicas: int, model_path: str) -> float:
+    """How many times slower than the replica model the real engines stepped in their seed-0 runs (the warm-up),
+    each run's mean step over the model at that run's own batch and prompt tokens a step: the median."""
+    model = ReplicaModel.load(model_path)
+    ratios = []
+    for r in rows:
+        figures = per_run(r, replicas) if r["side"] == "real" and r["seed"] == 0 and r["workload"] != "chat" else None
+        if figures:
+            sampled, ms, prompt = figures
+            ratios.append(ms / model_ms(model, sampled, prompt))
+    if not ratios:
+        raise ValueError("no single-turn real run of seed 0 with vLLM's step counters to match the model to")
+    return float(np.median(ratios))

@@ -16,6 +16,9 @@ tokens, O output tokens) one after another. From it:
   profile's vLLM arguments or the command line, the KV pool (blocks, block size) from the replica's
   `vllm:cache_config_info` as the profile recorded it, `max_model_len` likewise.
 
+Several profiles of one workload are rounds of it, taken minutes apart: each point is the round with the median TPOT
+(`median_of_rounds`), so that one round caught in a fast or a slow minute of a shared machine does not set the model.
+
 Nothing is defaulted silently: what neither the profile nor the command line gives is an error naming it.
 """
 

@@ -171,9 +171,64 @@ def test_calibration_rounds_are_spread_over_the_real_series_and_their_spread_is_
     assert rounds_lines(dirs + [[tmp_path / "missing"] * 3], "x") == [] and rounds_lines([dirs[0][:1]], "x") == []
 
 
+def test_each_rounds_model_alone_is_set_beside_the_fitted_one_at_the_real_batch(tmp_path: Path) -> None:
+    """Real steps of 10 ms at 8 sampled and 10 prompt tokens a step (as above): the model there is 9.0 ms (-10%);
+    a round 1.2 x slower in every step gives 1.2 x 8.5 + 0.5 = 10.7 ms (+7%)."""
+    from dataclasses import replace as replaced
+
+    from bench.sim_vs_real_rounds import models_lines
+
+    model = ReplicaModel(model_name="m", step_s=((1, 0.005), (16, 0.0125)), prefill_s_per_token=50e-6,
+                         frontend_s=0.0, max_num_seqs=32, max_num_batched_tokens=2048, chunked_prefill=True,
+                         prefix_caching=True, block_size=128, num_blocks=100, max_model_len=2048)
+    slow = replaced(model, step_s=tuple((b, 1.2 * s) for b, s in model.step_s))
+    for name, m in (("fitted", model), ("r0", model), ("r1", slow)):
+        (tmp_path / f"{name}.json").write_text(m.to_json())
+    rows = [_stepped("real", 2000, 16000, 20000), _stepped("sim-together", 2500, 15000, 22500)]
+    text = "\n".join(models_lines(rows, 2, str(tmp_path / "fitted.json"),
+                                  [str(tmp_path / "r0.json"), str(tmp_path / "r1.json")]))
+    assert "| point | runs | ms a step, real | fitted (median round) | round 0 alone | round 1 alone |" in text
+    assert "| sharegpt/poisson/0.8 | 1 | 10.00 | -10% | -10% | +7% |" in text
+    assert models_lines(rows[1:], 2, str(tmp_path / "fitted.json"), [str(tmp_path / "r0.json")]) == []
+
+
 def test_fewer_than_one_calibration_round_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
     from bench.sim_vs_real import main
 
     with pytest.raises(SystemExit) as exc:
         main(["--calibration-rounds", "0", "--dry-run"])
     assert exc.value.code == 2 and "--calibration-rounds must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_the_matched_side_is_scaled_to_the_seed_0_runs_and_runs_only_the_others(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Seed 0's real steps: 10 ms where the model gives 9.0 (x 1.11), and 9 ms (x 1.0): the scale is the median,
+    1.056. Later seeds, other sides and chat runs do not count; without a seed-0 run there is nothing to match."""
+    from bench.sim_vs_real import MATCHED, main
+    from bench.sim_vs_real_steps import warmup_scale
+
+    model = ReplicaModel(model_name="m", step_s=((1, 0.005), (16, 0.0125)), prefill_s_per_token=50e-6,
+                         frontend_s=0.0, max_num_seqs=32, max_num_batched_tokens=2048, chunked_prefill=True,
+                         prefix_caching=True, block_size=128, num_blocks=100, max_model_len=2048)
+    path = tmp_path / "replica.json"
+    path.write_text(model.to_json())
+    slow, even = _stepped("real", 2000, 16000, 20000), _stepped("real", 2000 * 10 / 9, 16000 * 10 / 9, 20000 * 10 / 9)
+    rows = [slow, even, {**_stepped("real", 1000, 16000, 20000), "seed": 1},
+            {**_stepped("real", 1000, 16000, 20000), "workload": "chat"}, _stepped("sim-together", 1000, 8000, 100)]
+    assert warmup_scale(rows, 2, str(path)) == pytest.approx((10 / 9 + 1) / 2)
+    with pytest.raises(ValueError, match="no single-turn real run of seed 0"):
+        warmup_scale(rows[2:], 2, str(path))
+    runs = setup(0).runs(MATCHED)
+    assert runs and {r.seed for r in runs} == {1} and len(runs) == len(setup(0).runs("real")) // 2
+    with pytest.raises(SystemExit) as exc:
+        main(["--match-steps", "--seeds", "1", "--dry-run"])
+    assert exc.value.code == 2 and "--match-steps" in capsys.readouterr().err
+    held = [{**row(side, 0, 20.0, 5.0), "seed": 1} for side in ("real", "sim-together")] + [
+        {**row(MATCHED, 0, 20.0, 5.5), "seed": 1}, row("real", 0, 30.0, 9.0), row("sim-together", 0, 20.0, 5.0)]
+    (tmp_path / "runs.jsonl").write_text("\n".join(json.dumps(r) for r in held) + "\n")
+    text = report(tmp_path, {"capacity_real_mix": 18.0, "matched_scale": 1.06, "replica_model_together": str(path)})
+    assert f"## `{MATCHED}`: steps matched to the real engines' own in the seed-0 runs" in text
+    assert "every step 1.06 x its own" in text
+    assert "`sim-together` (seeds after the first): median absolute error over all rows: ttft_p50 0%" in text
+    assert f"`{MATCHED}` (seeds after the first): median absolute error over all rows: ttft_p50 0%, ttft_p99 0%, " \
+           "tpot_p50 10%" in text

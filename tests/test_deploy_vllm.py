@@ -321,6 +321,8 @@ def test_the_simulator_against_these_replicas_quick(deployment: Deployment, tmp_
         assert len(list((out / directory).glob("point-b*.json"))) == 2, directory
     assert str(out / "profile-quick_together-r1" / "0") in together.source["profile"]
     assert "## Calibration rounds (`sim-together`)" in (out / "report.md").read_text()
+    assert "round 1 alone" in (out / "report.md").read_text()  # each round fitted alone, set beside the fit
+    assert all((out / f"replica{s}-r{k}.json").is_file() for s in ("", "_together") for k in (0, 1))
     assert all(r["failed"] == 0 and r["completed"] > 10 for r in rows)
     # where the CPU went: two cores, each replica's process tree using part of one
     assert all(len(r["cpu"]["cores_busy"]) == os.cpu_count() and 0 < sum(r["cpu"]["replicas"]) for r in rows), \
