@@ -20,7 +20,10 @@ One command:
 6. with `--follow-speed`, a side "sim-followed": the "together" calibration, each run made as many times slower or
    faster as the real engines were just before the matching real run, against a reading taken right after the
    calibration (`bench.engine_speed`: a short fixed load, the mean step from vLLM's counters; `POST /sim/speed` on
-   the simulated replicas). This machine's speed wanders by a quarter within minutes (docs/sim.md);
+   the simulated replicas). This machine's speed wanders by a quarter within minutes (docs/sim.md). With
+   `--match-steps`, a side "sim-matched": the "together" calibration with every step scaled by how much slower
+   the real engines stepped than it in the seed-0 runs (vLLM's counters, at their own batch), run and judged on
+   the other seeds only;
 7. the real side's first run is run `--repeats` more times (side "real-repeat", other prompts of the same
    lengths), spread over the real side's series: how far an identical schedule moves on the real replicas, the
    floor under every error against the simulator (on this shared 2-core machine, 10 identical sharegpt runs at
@@ -60,10 +63,10 @@ import numpy as np
 import yaml
 
 from deploy.tinymodel import ensure_tiny_model
-from sim.measured import ReplicaModel
 
 from .common import figure_path, machine_speed, markdown_table, pyplot, save
 from .engine_speed import counters, read_sync
+from .sim_vs_real_calibration import MODEL, calibrate, profile_round, round_dir, round_models
 from .sim_vs_real_inflight import inflight_lines
 from .sim_vs_real_ranking import ranking_lines
 from .sim_vs_real_rounds import models_lines, rounds_lines
@@ -79,13 +82,6 @@ WORKLOADS: dict[str, list[str]] = {
 }
 CHAT = ["--endpoint", "chat", "--workload", "multiturn", "--turns", "4:4", "--system-len", "128", "--input-len", "300",
         "--output-len", "64", "--think-time", "1", "--max-context", "2048"]
-PROFILES = {"profile": ["--batch-sizes", "1,4,16,32", "--input-tokens", "256", "--output-tokens", "64"],
-            "profile-long": ["--batch-sizes", "1,8,32", "--input-tokens", "1024", "--output-tokens", "256",
-                             "--num-requests", "48"],
-            "profile-quick": ["--batch-sizes", "1,8", "--input-tokens", "256", "--output-tokens", "64",
-                              "--num-requests", "24"]}
-BATCHED_TOKENS, MAX_MODEL_LEN = 2048, 2048  # vLLM-CPU's token budget (API server default) and the tiny model's length
-MODEL = "tiny-opt"
 CALIBRATIONS = {"together": "sim-together", "isolated": "sim"}  # how the profiles are taken -> the simulated side
 REPEAT = "real-repeat"  # the real side's first run again, to measure how repeatable the real side is
 MATCHED = "sim-matched"  # the together calibration, its steps scaled to the real engines' own in the seed-0 runs
@@ -355,63 +351,6 @@ def done_runs(path: Path) -> dict[str, dict[str, Any]]:
     rows = [json.loads(line) for line in path.read_text().splitlines() if line]
     return {Run(**{k: r[k] for k in ("side", "workload", "arrival", "load", "seed", "policy")},
                 repeat=r.get("repeat", 0)).key: r for r in rows}
-
-
-def round_dir(out: Path, name: str, suffix: str, round_k: int) -> Path:
-    """Where round `round_k` of one calibration's profile `name` is (round 0: where a single round always was)."""
-    return out / (f"{name}{suffix}" + (f"-r{round_k}" if round_k else ""))
-
-
-def profile_round(out: Path, names: Sequence[str], urls: Sequence[str], suffix: str, tokenizer: str,
-                  prompt_seed: int, round_k: int) -> None:
-    """One round of a calibration: `urls` profiled at once, each with every profile in `names`, one after another
-    (a rerun skips the points on disk). `prompt_seed`: the prefix cache still holds the prompts of every round and
-    calibration before, so each has its own."""
-    for name in names:
-        base = round_dir(out, name, suffix, round_k)
-        dirs = [base / str(i) if len(urls) > 1 else base for i in range(len(urls))]
-        procs = [subprocess.Popen([python(), "-m", "planner.cli", "profile", "--url", url, "--out", str(d),
-                                   *PROFILES[name], "--tokenizer", tokenizer, "--prompt-seed", str(prompt_seed)],
-                                  stdout=subprocess.DEVNULL,
-                                  stderr=subprocess.PIPE) for url, d in zip(urls, dirs)]
-        for proc in procs:
-            _, err = proc.communicate(timeout=900)
-            if proc.returncode:
-                raise RuntimeError(f"planner profile failed: {err.decode()[-2000:]}")
-
-
-def calibrate(out: Path, names: Sequence[str], replicas: int, suffix: str, rounds: Sequence[int], max_num_seqs: int,
-              tokenizer: str, model_path: Path) -> str:
-    """Fit a replica model to the first replica's profiles in `rounds` (`sim calibrate` takes, point by point,
-    the round with the median TPOT) and write it to `model_path`: `sim calibrate`'s report."""
-    profiles = []
-    for round_k in rounds:
-        for name in names:
-            base = round_dir(out, name, suffix, round_k)
-            profiles += ["--profile", str(base / "0" if replicas > 1 else base)]
-    fit = subprocess.run([python(), "-m", "sim.cli", "calibrate", *profiles, "--out", str(model_path),
-                          "--max-num-seqs", str(max_num_seqs), "--max-num-batched-tokens", str(BATCHED_TOKENS),
-                          "--chunked-prefill", "--prefix-caching", "--max-model-len", str(MAX_MODEL_LEN),
-                          "--tokenizer", tokenizer, "--served-model-name", MODEL],
-                         check=True, timeout=900, capture_output=True, text=True)
-    return fit.stdout
-
-
-def round_models(out: Path, meta: dict[str, Any], suffix: str) -> list[str]:
-    """Each round of a calibration fitted alone (OUT/replica{suffix}-r{k}.json, fitted once): what a single round
-    would have given, to set beside the fit over all of them."""
-    rounds = int(meta.get(f"calibration_rounds{suffix}", 1))
-    if rounds < 2:
-        return []
-    fitted = ReplicaModel.load(meta[f"replica_model{suffix}"])
-    paths = []
-    for k in range(rounds):
-        path = out / f"replica{suffix}-r{k}.json"
-        if not path.exists():
-            calibrate(out, meta["profiles"], int(meta["replicas"]) if suffix else 1, suffix, [k],
-                      fitted.max_num_seqs, fitted.tokenizer or str(ensure_tiny_model()), path)
-        paths.append(str(path))
-    return paths
 
 
 def serve_sim(stack: ExitStack, model: str, replicas: int, port: int, log: Path) -> tuple[list[str], list[int]]:

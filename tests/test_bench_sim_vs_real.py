@@ -152,7 +152,7 @@ def test_calibration_rounds_are_spread_over_the_real_series_and_their_spread_is_
     from planner.points import Latency, ProfileContext, ProfilePoint, Workload
     from planner.sources import write_point
 
-    from bench.sim_vs_real import round_dir
+    from bench.sim_vs_real_calibration import round_dir
     from bench.sim_vs_real_rounds import rounds_lines
 
     assert replaced(setup(0), calibration_rounds=3).round_marks(12) == {4: 1, 8: 2}
