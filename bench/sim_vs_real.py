@@ -66,7 +66,7 @@ from deploy.tinymodel import ensure_tiny_model
 
 from .common import figure_path, machine_speed, markdown_table, pyplot, save
 from .engine_speed import counters, read_sync
-from .sim_vs_real_calibration import MODEL, calibrate, profile_round, round_dir, round_models
+from .sim_vs_real_calibration import MODEL, calibrate, profile_dir, profile_round, profiled, round_models
 from .sim_vs_real_inflight import inflight_lines
 from .sim_vs_real_ranking import ranking_lines
 from .sim_vs_real_rounds import models_lines, rounds_lines
@@ -399,7 +399,7 @@ def measure(setup: Setup) -> None:
             """Round `round_k` of every calibration not fitted yet."""
             for k, calibration in enumerate(setup.calibrations):
                 if f"replica_model{suffix(calibration)}" not in meta:
-                    profile_round(out, setup.profiles, real if calibration == "together" else real[:1],
+                    profile_round(out, setup.profiles, real[:profiled(suffix(calibration), len(real))],
                                   suffix(calibration), tokenizer, k + round_k * len(setup.calibrations), round_k)
 
         if any(f"replica_model{suffix(c)}" not in meta for c in setup.calibrations):
@@ -426,7 +426,7 @@ def measure(setup: Setup) -> None:
                 if f"replica_model{suffix(calibration)}" not in meta:
                     model_path = out / f"replica{suffix(calibration)}.json"
                     meta[f"calibration{suffix(calibration)}"] = calibrate(
-                        out, setup.profiles, len(real) if calibration == "together" else 1, suffix(calibration),
+                        out, setup.profiles, len(real), suffix(calibration),
                         range(setup.calibration_rounds), base["replicas"][0]["max_num_seqs"], tokenizer, model_path)
                     meta[f"replica_model{suffix(calibration)}"] = str(model_path)
                     meta[f"calibration_rounds{suffix(calibration)}"] = setup.calibration_rounds
@@ -598,9 +598,9 @@ def report(out: Path, meta: dict[str, Any]) -> str:
                          if speed else "") + ":", "",
                       "```", meta[key].strip(), "```", ""]
             suffix = key.removeprefix("calibration")
-            first = "0" if suffix and int(meta.get("replicas", 2)) > 1 else ""  # the first replica's directory
             if rounds > 1:
-                lines += rounds_lines([[round_dir(out, name, suffix, k) / first for k in range(rounds)]
+                count = profiled(suffix, int(meta["replicas"]))
+                lines += rounds_lines([[profile_dir(out, name, suffix, k, 0, count) for k in range(rounds)]
                                        for name in meta["profiles"]], what.split(" ")[0])
                 lines += models_lines(rows, int(meta["replicas"]), meta[key.replace("calibration", "replica_model")],
                                       round_models(out, meta, suffix))

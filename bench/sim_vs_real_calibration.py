@@ -26,14 +26,25 @@ def round_dir(out: Path, name: str, suffix: str, round_k: int) -> Path:
     return out / (f"{name}{suffix}" + (f"-r{round_k}" if round_k else ""))
 
 
+def profiled(suffix: str, replicas: int) -> int:
+    """How many replicas a calibration profiles: every one for "together", the first alone for "isolated" (the
+    calibration whose files have no suffix)."""
+    return replicas if suffix else 1
+
+
+def profile_dir(out: Path, name: str, suffix: str, round_k: int, replica: int, profiled: int) -> Path:
+    """Where one replica's profile `name` of a round is, of `profiled` replicas profiled at once."""
+    base = round_dir(out, name, suffix, round_k)
+    return base / str(replica) if profiled > 1 else base
+
+
 def profile_round(out: Path, names: Sequence[str], urls: Sequence[str], suffix: str, tokenizer: str,
                   prompt_seed: int, round_k: int) -> None:
     """One round of a calibration: `urls` profiled at once, each with every profile in `names`, one after another
     (a rerun skips the points on disk). `prompt_seed`: the prefix cache still holds the prompts of every round and
     calibration before, so each has its own."""
     for name in names:
-        base = round_dir(out, name, suffix, round_k)
-        dirs = [base / str(i) if len(urls) > 1 else base for i in range(len(urls))]
+        dirs = [profile_dir(out, name, suffix, round_k, i, len(urls)) for i in range(len(urls))]
         procs = [subprocess.Popen([sys.executable, "-m", "planner.cli", "profile", "--url", url, "--out", str(d),
                                    *PROFILES[name], "--tokenizer", tokenizer, "--prompt-seed", str(prompt_seed)],
                                   stdout=subprocess.DEVNULL,
@@ -47,12 +58,12 @@ def profile_round(out: Path, names: Sequence[str], urls: Sequence[str], suffix: 
 def calibrate(out: Path, names: Sequence[str], replicas: int, suffix: str, rounds: Sequence[int], max_num_seqs: int,
               tokenizer: str, model_path: Path) -> str:
     """Fit a replica model to the first replica's profiles in `rounds` (`sim calibrate` takes, point by point,
-    the round with the median TPOT) and write it to `model_path`: `sim calibrate`'s report."""
+    the round with the median TPOT) and write it to `model_path`: `sim calibrate`'s report. `replicas`: how many
+    the deployment has."""
     profiles = []
     for round_k in rounds:
         for name in names:
-            base = round_dir(out, name, suffix, round_k)
-            profiles += ["--profile", str(base / "0" if replicas > 1 else base)]
+            profiles += ["--profile", str(profile_dir(out, name, suffix, round_k, 0, profiled(suffix, replicas)))]
     fit = subprocess.run([sys.executable, "-m", "sim.cli", "calibrate", *profiles, "--out", str(model_path),
                           "--max-num-seqs", str(max_num_seqs), "--max-num-batched-tokens", str(BATCHED_TOKENS),
                           "--chunked-prefill", "--prefix-caching", "--max-model-len", str(MAX_MODEL_LEN),
@@ -72,7 +83,7 @@ def round_models(out: Path, meta: dict[str, Any], suffix: str) -> list[str]:
     for k in range(rounds):
         path = out / f"replica{suffix}-r{k}.json"
         if not path.exists():
-            calibrate(out, meta["profiles"], int(meta["replicas"]) if suffix else 1, suffix, [k],
+            calibrate(out, meta["profiles"], int(meta["replicas"]), suffix, [k],
                       fitted.max_num_seqs, fitted.tokenizer or str(ensure_tiny_model()), path)
         paths.append(str(path))
     return paths

@@ -18,6 +18,7 @@ import numpy as np
 
 from planner.errors import PlannerError
 from planner.sources import load_profile
+from sim.fromprofile import median_round
 from sim.measured import ReplicaModel
 
 from .common import markdown_table
@@ -35,10 +36,9 @@ def rounds_lines(dirs: Sequence[Sequence[Path]], title: str) -> list[str]:
         work = profiles[0].context.workload
         for k, point in enumerate(profiles[0].points):
             tpot = [p.points[k].tpot_ms.mean or 0.0 for p in profiles]
-            chosen = sorted(range(len(tpot)), key=tpot.__getitem__)[(len(tpot) - 1) // 2]
             body.append([f"{work.input_tokens} + {work.output_tokens}", str(point.batch_size),
                          *(f"{t:.2f}" for t in tpot), f"{max(tpot) / min(tpot):.2f}" if min(tpot) else "",
-                         str(chosen)])
+                         str(median_round(tpot))])
     if not body or len(dirs[0]) < 2:
         return []
     count = len(dirs[0])

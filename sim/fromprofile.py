@@ -289,6 +289,12 @@ def _context(profile: Profile) -> float:
     return (work.input_tokens or 0) + (work.output_tokens or 0) / 2
 
 
+def median_round(tpots: Sequence[float]) -> int:
+    """Which of a point's rounds is the median by TPOT mean (the lower middle of an even count; ties in round
+    order)."""
+    return sorted(range(len(tpots)), key=tpots.__getitem__)[(len(tpots) - 1) // 2]
+
+
 def median_of_rounds(rounds: Sequence[Profile]) -> Profile:
     """Rounds of one profile (the same workload and batch sizes, taken minutes apart) as one profile: at each batch
     size, the round whose TPOT mean is the median (the lower middle of an even count), whole, so that the point's
@@ -304,8 +310,7 @@ def median_of_rounds(rounds: Sequence[Profile]) -> Profile:
         return first
     points = []
     for k in range(len(sizes)):
-        by_tpot = sorted((r.points[k] for r in rounds), key=lambda p: p.tpot_ms.mean or 0.0)
-        points.append(by_tpot[(len(by_tpot) - 1) // 2])
+        points.append(rounds[median_round([r.points[k].tpot_ms.mean or 0.0 for r in rounds])].points[k])
     return Profile(tuple(points), replace(first.context, source=" + ".join(r.context.source for r in rounds)))
 
 
