@@ -11,7 +11,8 @@ One command:
    calibrated from the first replica profiled alone (the way before 2026-11-26: 29% median error in TTFT p50
    where "together" had 13%, docs/sim.md), each calibration with prompts of its own (`--prompt-seed`).
    `--calibration-rounds R` takes the profiles R times, the first before the real runs and the others spread over
-   them, and fits the point-by-point median round; the report sets each round's model beside the fit;
+   them, and fits the point-by-point median round; the report sets each round's model beside the fit.
+   `--calibrations ''` skips the simulator: the real side alone, for judging the policies on real replicas;
 4. on each side, one gateway per policy (deploy's gateway config, its policy and port changed) over that side's
    replicas; each side's capacity for each single-turn workload is measured (closed loop, 64 in flight);
 5. every point (workload, arrivals, load, seed) runs `loadtest run` through each policy's gateway, policies in a
@@ -68,9 +69,9 @@ from .common import figure_path, machine_speed, markdown_table, pyplot, save
 from .engine_speed import counters, read_sync
 from .sim_vs_real_calibration import MODEL, calibrate, profile_dir, profile_round, profiled, round_models
 from .sim_vs_real_inflight import inflight_lines
-from .sim_vs_real_ranking import ranking_lines
+from .sim_vs_real_ranking import ranking_lines, verdict_lines
 from .sim_vs_real_rounds import models_lines, rounds_lines
-from .sim_vs_real_steps import steps_lines, warmup_scale
+from .sim_vs_real_steps import decoding_context, steps_lines, warmup_scale
 
 POLICIES = ("prefix_affinity", "least_outstanding_tokens", "least_requests", "round_robin")
 CHAT_POLICIES = ("prefix_affinity", "consistent_hash", "least_outstanding_tokens", "round_robin")
@@ -277,7 +278,8 @@ def run_point(run: Run, side: Side, rate: float, duration: float, tokenizer: str
             "ttft_s": [r["ttft_s"] for r in ok if r.get("ttft_s") is not None],
             "tpot_s": [(r["end_s"] - r["sent_s"] - r["ttft_s"]) / (r["output_tokens"] - 1) for r in ok
                        if r.get("ttft_s") is not None and (r.get("output_tokens") or 0) > 1],
-            "e2e_s": [r["end_s"] - r["sent_s"] for r in ok], "cpu": cpu, "speed_us": float(np.median(speed))}
+            "e2e_s": [r["end_s"] - r["sent_s"] for r in ok], "context": decoding_context(ok), "cpu": cpu,
+            "speed_us": float(np.median(speed))}
 
 
 @dataclass(frozen=True)
@@ -653,6 +655,8 @@ def report(out: Path, meta: dict[str, Any]) -> str:
                 ratios.append(f"{p} {math.exp(float(np.mean(logs))):.2f}")
         lines += ["Geometric mean over these points of the default's p99 TTFT over each other policy's: "
                   + ", ".join(ratios) + ".", ""]
+        lines += verdict_lines({pt: {p: v["ttft_p99"] for p, v in by.items()} for pt, by in single.items()},
+                               DEFAULT)
     lines += ["## Multi-turn chat: prefix-cache hit rate (vLLM's counters) and p99 TTFT", ""]
     chat_rows = []
     for side_name, by_point in table.items():
@@ -733,7 +737,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                         "use its replicas instead of starting new ones")
     parser.add_argument("--calibrations", default="together", help="isolated,together: one simulated side each. "
                         "together (the default): calibrated from every replica profiled at once, as they run under "
-                        "load; isolated: from the first replica profiled alone")
+                        "load; isolated: from the first replica profiled alone; '' for none: the real side alone")
     parser.add_argument("--follow-speed", action="store_true", help="add a side sim-followed: the together "
                         "calibration, each run scaled by the real engines' speed just before the matching real run")
     parser.add_argument("--calibration-rounds", type=int, default=1, help="take each calibration's profiles this "
@@ -761,7 +765,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     repeats = args.repeats if args.repeats is not None else (0 if args.quick else 3)
     if repeats < 0:
         parser.error(f"--repeats must be >= 0, got {repeats}")
-    setup = replace(setup, deployment=args.deployment, calibrations=tuple(args.calibrations.split(",")),
+    calibrations = tuple(c for c in args.calibrations.split(",") if c)
+    if unknown := [c for c in calibrations if c not in CALIBRATIONS]:
+        parser.error(f"--calibrations: unknown {', '.join(unknown)} (known: {', '.join(CALIBRATIONS)}, or '' for "
+                     "the real side alone)")
+    setup = replace(setup, deployment=args.deployment, calibrations=calibrations,
                     repeats=repeats, follow_speed=args.follow_speed, calibration_rounds=args.calibration_rounds,
                     match_steps=args.match_steps)
     if setup.match_steps and ("together" not in setup.calibrations or setup.seeds < 2):

@@ -80,3 +80,34 @@ def ranking_lines(rows: Sequence[dict[str, Any]], pooled: dict[str, dict[str, An
             f"`{sim_side}` orders {agreed_all} of the {decided_all} decided pairs as the real side does. With "
             f"{seeds_n} seeds a pair that is a coin toss looks decided with probability {2 ** (1 - seeds_n):.2f}.",
             ""]
+
+
+def verdict_lines(p99: dict[str, dict[str, float]], default: str, blind: str = "round_robin",
+                  within: float = 0.10) -> list[str]:
+    """Item 3's rule applied to pooled p99 TTFTs (`p99`: point -> policy -> p99), each policy in turn as the default:
+    is it within `within` of the best policy at every point and never worse than `blind` (round robin)? If none is,
+    the pick is the policy with the smallest worst point (its p99 over the point's best)."""
+    points = [by for by in p99.values() if len(by) > 1]
+    policies = sorted(set.intersection(*(set(by) for by in points))) if points else []
+    if len(policies) < 2:
+        return []
+    body: list[list[object]] = []
+    worst: dict[str, float] = {}
+    meets: list[str] = []
+    for p in policies:
+        over_best = [by[p] / min(by[q] for q in policies) for by in points]
+        over_blind = [by[p] / by[blind] for by in points] if blind != p and all(blind in by for by in points) else []
+        worst[p] = max(over_best)
+        ok = round(worst[p], 2) <= 1 + within and round(max(over_blind, default=1.0), 2) <= 1.0  # as shown
+        meets += [p] if ok else []
+        body.append([p + (" (default)" if p == default else ""), f"{worst[p]:.2f}",
+                     f"{float(np.exp(np.mean(np.log(over_best)))):.2f}",
+                     f"{max(over_blind):.2f}" if over_blind else "", "yes" if ok else "no"])
+    smallest = min(policies, key=lambda p: worst[p])
+    pick = (f"{', '.join(meets)} meet{'s' if len(meets) == 1 else ''} it" if meets else
+            f"no policy meets it; the smallest worst point is {smallest}'s ({worst[smallest]:.2f} x the best)")
+    return ["Each policy as the default, over these points: its worst p99 over the point's best, the geometric mean "
+            f"of that ratio, its worst over {blind}, and whether it meets item 3's goal (within {within:.0%} of the "
+            f"best at every point and never worse than {blind}).", "",
+            markdown_table(["policy", "worst x best", "mean x best", f"worst x {blind}", "meets the goal"], body), "",
+            f"Over {len(points)} point{'s' if len(points) > 1 else ''}: {pick}.", ""]

@@ -40,9 +40,20 @@ def per_run(row: dict[str, Any], replicas: int) -> tuple[float, float, float] | 
     return engine["generated"] / steps, 1000 * engine["span_s"] * replicas / steps, engine["prompt"] / steps
 
 
-def model_ms(model: ReplicaModel, sampled: float, prompt: float) -> float:
-    """The replica model's step at this (mean, fractional) batch and these prompt tokens."""
-    return 1000 * (model.step(sampled) + model.prefill_s_per_token * prompt)
+def model_ms(model: ReplicaModel, sampled: float, prompt: float, context: float | None = None) -> float:
+    """The replica model's step at this (mean, fractional) batch and these prompt tokens, its decoding sequences
+    `context` tokens long on average (None: at the model's short profile's context)."""
+    return 1000 * (model.step(sampled, context) + model.prefill_s_per_token * prompt)
+
+
+def decoding_context(records: Sequence[dict[str, Any]]) -> float | None:
+    """The mean context of a decoding sequence over a run's steps: each request decodes `output_tokens` steps at
+    contexts from its prompt to prompt + output, so the mean over all decode steps is sum(out x (prompt + out / 2))
+    / sum(out). Prompt tokens as the server counted them, else as requested; None without any request."""
+    pairs = [(r["output_tokens"], r.get("prompt_tokens") or r.get("requested_prompt_tokens") or 0) for r in records
+             if (r.get("output_tokens") or 0) > 0]
+    out = sum(o for o, _ in pairs)
+    return sum(o * (p + o / 2) for o, p in pairs) / out if out else None
 
 
 def _twin(row: dict[str, Any]) -> tuple[Any, ...]:
@@ -54,13 +65,13 @@ def steps_lines(rows: Sequence[dict[str, Any]], replicas: int, sim_side: str,
     """The report's section: per point, each side's median engine batch, step and prompt tokens a step; the
     replica model at the real batch (`scaled`: times the scale the simulated twin of each real run ran at)."""
     scales = {_twin(r): float(r["scale"]) for r in rows if scaled and r["side"] == sim_side and "scale" in r}
-    cells: dict[tuple[str, str], list[tuple[float, float, float, float]]] = {}
+    cells: dict[tuple[str, str], list[tuple[float, float, float, float, float | None]]] = {}
     for r in rows:
         figures = per_run(r, replicas) if r["workload"] != "chat" and r["side"] in ("real", sim_side) else None
         if figures:
             scale = scales.get(_twin(r), math.nan) if scaled else 1.0
             cells.setdefault((f"{r['workload']}/{r['arrival']}/{r['load']:g}", r["side"]), []).append(
-                (*figures, scale))
+                (*figures, scale, r.get("context")))
     points = sorted({p for p, _ in cells})
     if not any((p, "real") in cells and (p, sim_side) in cells for p in points):
         return []
@@ -70,12 +81,12 @@ def steps_lines(rows: Sequence[dict[str, Any]], replicas: int, sim_side: str,
         real, sim = cells.get((point, "real")), cells.get((point, sim_side))
         if not real or not sim:
             continue
-        rb, rms, rp, _ = (float(np.median(v)) for v in zip(*real))
-        sb, sms, sp, _ = (float(np.median(v)) for v in zip(*sim))
+        rb, rms, rp = (float(np.median(v)) for v in list(zip(*real))[:3])
+        sb, sms, sp = (float(np.median(v)) for v in list(zip(*sim))[:3])
         row = [point, len(real), f"{rb:.1f}", f"{sb:.1f}", f"{rms:.2f}", f"{sms:.2f}", f"{sms / rms - 1:+.0%}",
                f"{rp:.1f}", f"{sp:.1f}"]
         if model:
-            at_real = float(np.median([scale * model_ms(model, b, p) for b, _, p, scale in real]))
+            at_real = float(np.median([scale * model_ms(model, b, p, c) for b, _, p, scale, c in real]))
             row += [f"{at_real:.2f}", f"{at_real / rms - 1:+.0%}"]
         body.append(row)
     head = ["point", "runs", "sampled a step, real", "sim", "ms a step, real", "sim", "sim / real - 1",
@@ -86,8 +97,9 @@ def steps_lines(rows: Sequence[dict[str, Any]], replicas: int, sim_side: str,
             "From vLLM's counters (`vllm:iteration_tokens_total`, generated and prompt tokens), per replica, medians "
             "over the runs of a point: the engines' mean batch (tokens sampled a step), the mean step (the run's "
             "span x replicas / steps) and prompt tokens a step"
-            + (", and the calibrated replica model evaluated at the real engines' batch and prompt tokens a step"
-               if model else "") + ".", "", markdown_table(head, body), ""]
+            + (", and the calibrated replica model evaluated at the real engines' batch and prompt tokens a step, "
+               "at each run's mean decoding context (runs before 2026-11-26's seventh session: at the short "
+               "profile's)" if model else "") + ".", "", markdown_table(head, body), ""]
 
 
 def warmup_scale(rows: Sequence[dict[str, Any]], replicas: int, model_path: str) -> float:
@@ -99,7 +111,7 @@ def warmup_scale(rows: Sequence[dict[str, Any]], replicas: int, model_path: str)
         figures = per_run(r, replicas) if r["side"] == "real" and r["seed"] == 0 and r["workload"] != "chat" else None
         if figures:
             sampled, ms, prompt = figures
-            ratios.append(ms / model_ms(model, sampled, prompt))
+            ratios.append(ms / model_ms(model, sampled, prompt, r.get("context")))
     if not ratios:
         raise ValueError("no single-turn real run of seed 0 with vLLM's step counters to match the model to")
     return float(np.median(ratios))

@@ -9,8 +9,8 @@ import pytest
 
 from bench.sim_vs_real import REPEAT, Run, Setup, done_runs, repeatability, report, summarize
 from bench.sim_vs_real_inflight import inflight_lines
-from bench.sim_vs_real_ranking import ranking_lines
-from bench.sim_vs_real_steps import steps_lines
+from bench.sim_vs_real_ranking import ranking_lines, verdict_lines
+from bench.sim_vs_real_steps import decoding_context, steps_lines
 from sim.measured import ReplicaModel
 
 
@@ -69,6 +69,20 @@ def test_a_negative_repeat_count_is_a_usage_error(capsys: pytest.CaptureFixture[
     assert exc.value.code == 2 and "--repeats must be >= 0, got -1" in capsys.readouterr().err
 
 
+def test_no_calibration_runs_the_real_side_alone_and_an_unknown_one_is_a_usage_error(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from bench.sim_vs_real import main
+
+    main(["--calibrations", "", "--seeds", "1", "--loads", "0.5", "--workloads", "mix", "--chat-rates", "",
+          "--policies", "prefix_affinity,round_robin", "--repeats", "0", "--dry-run"])
+    out = capsys.readouterr().out
+    assert out.startswith("2 runs of 15 s") and "sim" not in out.split("\n", 1)[1]
+    assert "real/mix/poisson/0.5/0/round_robin" in out
+    with pytest.raises(SystemExit) as exc:
+        main(["--calibrations", "together,alone", "--dry-run"])
+    assert exc.value.code == 2 and "--calibrations: unknown alone" in capsys.readouterr().err
+
+
 def _run(side: str, policy: str, seed: int, ttft_ms: float) -> dict[str, object]:
     return {"side": side, "workload": "mix", "arrival": "poisson", "load": 0.8, "policy": policy, "seed": seed,
             "ttft_s": [ttft_ms / 1000] * 10, "tpot_s": [0.005] * 10, "e2e_s": [0.5] * 10, "hit_rate": float("nan"),
@@ -93,6 +107,32 @@ def test_ranking_needs_two_seeds_and_the_simulated_side() -> None:
     one_seed = rows + [_run("sim", "a", 0, 1), _run("sim", "b", 0, 2)]
     assert ranking_lines(one_seed, summarize(one_seed), "sim") == []  # one seed
     assert ranking_lines(rows, summarize(rows), "sim") == []  # no simulated side
+
+
+def _cells(text: str, first: str) -> list[str]:
+    row = next(line for line in text.splitlines() if line.startswith(f"| {first} "))
+    return [c.strip() for c in row.strip("|").split("|")]
+
+
+def test_the_verdict_names_no_policy_when_none_meets_the_goal_and_picks_the_smallest_worst_point() -> None:
+    """d (the default) is 1.2 x the best at p1; b is 1.5 x at p2; round robin 1.3 x at p3. None is within 10% of
+    the best everywhere, and d is worse than round robin at p1: the smallest worst point is d's."""
+    p99 = {"p1": {"d": 120, "b": 100, "round_robin": 110}, "p2": {"d": 100, "b": 150, "round_robin": 100},
+           "p3": {"d": 100, "b": 100, "round_robin": 130}}
+    text = "\n".join(verdict_lines(p99, "d"))
+    assert _cells(text, "d (default)") == ["d (default)", "1.20", "1.06", "1.09", "no"]
+    assert _cells(text, "b") == ["b", "1.50", "1.14", "1.50", "no"]
+    assert _cells(text, "round_robin") == ["round_robin", "1.30", "1.13", "", "no"]
+    assert "Over 3 points: no policy meets it; the smallest worst point is d's (1.20 x the best)." in text
+
+
+def test_the_verdict_names_the_policies_that_meet_the_goal() -> None:
+    p99 = {"p1": {"d": 105, "b": 100, "round_robin": 105}, "p2": {"d": 100, "b": 120, "round_robin": 101}}
+    text = "\n".join(verdict_lines(p99, "d"))
+    assert _cells(text, "d (default)")[-1] == "yes" and _cells(text, "round_robin")[-1] == "yes"
+    assert _cells(text, "b")[-1] == "no"  # 1.20 x the best at p2
+    assert "Over 2 points: d, round_robin meet it." in text
+    assert verdict_lines({"p1": {"d": 100}}, "d") == []  # one policy: nothing to judge
 
 
 def _timed(side: str, load: float, rate: float, e2e: float, tpot_ms: float, rest: float, speed: float
@@ -142,6 +182,26 @@ def test_the_engines_steps_are_set_side_by_side_and_against_the_replica_model(tm
     followed = [*rows[:2], {**_stepped("sim-followed", 2000, 16000, 20000), "scale": 1.2}]
     assert "| 10.00 | 10.00 | +0% | 10.0 | 10.0 | 10.80 | +8% |" in \
         "\n".join(steps_lines(followed, 2, "sim-followed", str(path), scaled=True))
+
+
+def test_the_replica_model_is_taken_at_each_real_runs_decoding_context(tmp_path: Path) -> None:
+    """A run whose sequences decode at 720 tokens of context, halfway between the model's short (288) and long
+    (1152) profiles: step(8) is halfway between 8.5 and 17 ms, 12.75 ms, plus 0.5 ms of prompt: 13.25 ms against
+    the real 10 ms. The context is the mean over decode steps: sum(out x (prompt + out / 2)) / sum(out)."""
+    model = ReplicaModel(model_name="m", step_s=((1, 0.005), (16, 0.0125)), prefill_s_per_token=50e-6,
+                         frontend_s=0.0, max_num_seqs=32, max_num_batched_tokens=2048, chunked_prefill=True,
+                         prefix_caching=True, block_size=128, num_blocks=100, max_model_len=2048,
+                         step_context=288.0, long_step_s=((1, 0.010), (16, 0.025)), long_context=1152.0)
+    path = tmp_path / "replica.json"
+    path.write_text(model.to_json())
+    rows = [{**_stepped("real", 2000, 16000, 20000), "context": 720.0}, _stepped("sim-together", 2500, 15000, 22500)]
+    assert "| 13.25 | +33% |" in "\n".join(steps_lines(rows, 2, "sim-together", str(path)))
+    assert "| 9.00 | -10% |" in "\n".join(steps_lines([{**rows[0], "context": None}, rows[1]], 2, "sim-together",
+                                                           str(path)))  # no context recorded: the short profile's
+    records = [{"output_tokens": 100, "prompt_tokens": 200},
+               {"output_tokens": 300, "prompt_tokens": None, "requested_prompt_tokens": 1000}, {"output_tokens": 0}]
+    assert decoding_context(records) == (100 * 250 + 300 * 1150) / 400
+    assert decoding_context([{"output_tokens": 0}]) is None
 
 
 def test_calibration_rounds_are_spread_over_the_real_series_and_their_spread_is_reported(tmp_path: Path) -> None:

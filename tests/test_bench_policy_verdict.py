@@ -1,0 +1,52 @@
+"""`bench.policy_verdict`: the real side of several `bench.sim_vs_real` runs pooled per point, then item 3's rule
+(on made-up run directories; fast)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bench.policy_verdict import main, pooled, verdict
+
+
+def _row(policy: str, seed: int, ttft_ms: list[float], side: str = "real", load: float = 0.5,
+         workload: str = "mix") -> dict[str, object]:
+    return {"side": side, "workload": workload, "arrival": "poisson", "load": load, "policy": policy, "seed": seed,
+            "ttft_s": [t / 1000 for t in ttft_ms]}
+
+
+def _run_dir(path: Path, rows: list[dict[str, object]]) -> Path:
+    path.mkdir()
+    (path / "runs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_runs_of_several_directories_are_pooled_per_point_and_judged(tmp_path: Path) -> None:
+    """The default's 98 requests at 20 ms and 3 at 500 in the first run (p99 500 ms alone), 300 at 20 in the
+    second: pooled over 401 requests its p99 is 20 ms; round robin's are all 21 ms. Simulated and chat rows are
+    left out."""
+    first = _run_dir(tmp_path / "a", [_row("prefix_affinity", 0, [20] * 98 + [500] * 3),
+                                      _row("round_robin", 0, [21] * 101),
+                                      _row("prefix_affinity", 0, [1] * 10, side="sim-together"),
+                                      _row("prefix_affinity", 0, [900] * 10, workload="chat")])
+    second = _run_dir(tmp_path / "b", [_row("prefix_affinity", 0, [20] * 300), _row("round_robin", 0, [21] * 300)])
+    table = pooled([first, second])
+    assert list(table) == ["mix/poisson/0.5"]
+    p99, seeds, requests = table["mix/poisson/0.5"]["prefix_affinity"]
+    assert (seeds, requests) == (2, 401) and p99 == pytest.approx(20.0)
+    assert pooled([first])["mix/poisson/0.5"]["prefix_affinity"][0] > 400  # alone, the first run's slow one is p99
+    text = verdict([first, second])
+    assert "| mix/poisson/0.5 | 20 (2, 401) | 21 (2, 401) |" in text
+    assert "Over 1 point: prefix_affinity, round_robin meet it." in text  # 21 ms is within 10% of 20
+
+
+def test_a_directory_without_runs_is_a_usage_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main([str(tmp_path)])
+    assert exc.value.code == 2 and "no runs.jsonl" in capsys.readouterr().err
+    empty = _run_dir(tmp_path / "sim-only", [_row("round_robin", 0, [5], side="sim-together")])
+    with pytest.raises(SystemExit) as exc:
+        main([str(empty)])
+    assert exc.value.code == 2 and "no real single-turn runs" in capsys.readouterr().err
