@@ -42,6 +42,25 @@ def pooled(dirs: Sequence[Path]) -> dict[str, dict[str, tuple[float, int, int]]]
             for pt, by in sorted(ttfts.items())}
 
 
+def seed_by_seed(dirs: Sequence[Path], default: str = DEFAULT) -> dict[str, dict[str, tuple[int, int]]]:
+    """point -> policy -> (runs where the default's p99 TTFT was lower, runs where it was higher), over the seeds
+    both ran in one directory: a sign test of the default against each other policy, free of the one slow request
+    that sets a pooled p99."""
+    out: dict[str, dict[str, list[int]]] = {}
+    for d in dirs:
+        p99: dict[tuple[str, int], dict[str, float]] = {}
+        for r in done_runs(d / "runs.jsonl").values():
+            if r["side"] == "real" and r["workload"] != "chat" and r["ttft_s"]:
+                point = f"{r['workload']}/{r['arrival']}/{r['load']:g}"
+                p99.setdefault((point, r["seed"]), {})[r["policy"]] = float(np.percentile(r["ttft_s"], 99))
+        for (point, _), by in p99.items():
+            for p, v in by.items():
+                if p != default and default in by and by[default] != v:
+                    counts = out.setdefault(point, {}).setdefault(p, [0, 0])
+                    counts[0 if by[default] < v else 1] += 1
+    return {pt: {p: (c[0], c[1]) for p, c in by.items()} for pt, by in sorted(out.items())}
+
+
 def verdict(dirs: Sequence[Path]) -> str:
     table = pooled(dirs)
     if not table:
@@ -52,6 +71,15 @@ def verdict(dirs: Sequence[Path]) -> str:
     lines = [f"Real vLLM-CPU, p99 TTFT in ms pooled over {len(dirs)} run director{'y' if len(dirs) == 1 else 'ies'} "
              "(seeds, requests):", "", markdown_table(["point", *policies], body), ""]
     lines += verdict_lines({pt: {p: v[0] for p, v in by.items()} for pt, by in table.items()}, DEFAULT)
+    signs = seed_by_seed(dirs)
+    others = [p for p in policies if p != DEFAULT and any(p in by for by in signs.values())]
+    if others:
+        total = {p: [sum(by[p][k] for by in signs.values() if p in by) for k in (0, 1)] for p in others}
+        body = [[pt, *(f"{by[p][0]} of {sum(by[p])}" if p in by else "" for p in others)] for pt, by in signs.items()]
+        body.append(["all", *(f"**{lo} of {lo + hi}**" for lo, hi in total.values())])
+        lines += ["Seed by seed (one point and seed of one run directory), the runs where the default's p99 TTFT "
+                  "was lower than each other policy's (a coin: half):", "",
+                  markdown_table(["point", *(f"default lower than {p}" for p in others)], body), ""]
     return "\n".join(lines)
 
 

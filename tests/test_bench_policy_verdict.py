@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.policy_verdict import main, pooled, verdict
+from bench.policy_verdict import main, pooled, seed_by_seed, verdict
 
 
 def _row(policy: str, seed: int, ttft_ms: list[float], side: str = "real", load: float = 0.5,
@@ -40,6 +40,9 @@ def test_runs_of_several_directories_are_pooled_per_point_and_judged(tmp_path: P
     text = verdict([first, second])
     assert "| mix/poisson/0.5 | 20 (2, 401) | 21 (2, 401) |" in text
     assert "Over 1 point: prefix_affinity, round_robin meet it." in text  # 21 ms is within 10% of 20
+    # seed by seed: the default's p99 is higher in the first directory (500 ms), lower in the second
+    assert seed_by_seed([first, second]) == {"mix/poisson/0.5": {"round_robin": (1, 1)}}
+    assert "| mix/poisson/0.5 | 1 of 2 |" in text and "| all | **1 of 2** |" in text
 
 
 def test_a_directory_without_runs_is_a_usage_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
