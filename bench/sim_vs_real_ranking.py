@@ -86,7 +86,8 @@ def verdict_lines(p99: dict[str, dict[str, float]], default: str, blind: str = "
                   within: float = 0.10) -> list[str]:
     """Item 3's rule applied to pooled p99 TTFTs (`p99`: point -> policy -> p99), each policy in turn as the default:
     is it within `within` of the best policy at every point and never worse than `blind` (round robin)? If none is,
-    the pick is the policy with the smallest worst point (its p99 over the point's best)."""
+    the policy with the smallest worst point (its p99 over the point's best) is named: a summary, not a pick, since
+    at a few seeds a point's worst is set by one slow request (docs/routing.md)."""
     points = [by for by in p99.values() if len(by) > 1]
     policies = sorted(set.intersection(*(set(by) for by in points))) if points else []
     if len(policies) < 2:
