@@ -18,53 +18,49 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 from pathlib import Path
-
-import numpy as np
+from typing import Any
 
 from .common import markdown_table
-from .sim_vs_real import DEFAULT, POLICIES, done_runs
-from .sim_vs_real_ranking import verdict_lines
+from .sim_vs_real import DEFAULT, POLICIES, done_runs, summarize
+from .sim_vs_real_ranking import p99_by_seed, verdict_lines
 
 
-def pooled(dirs: Sequence[Path]) -> dict[str, dict[str, tuple[float, int, int]]]:
-    """point -> policy -> (p99 TTFT in ms, seeds, requests), the real side's single-turn runs of every directory."""
-    ttfts: dict[str, dict[str, list[float]]] = {}
-    seeds: dict[str, dict[str, int]] = {}
+def read(dirs: Sequence[Path]) -> list[list[dict[str, Any]]]:
+    """Each directory's real single-turn runs, read once."""
+    runs = []
     for d in dirs:
         path = d / "runs.jsonl"
         if not path.is_file():
             raise FileNotFoundError(f"{d}: no runs.jsonl (not a bench.sim_vs_real run directory?)")
-        for r in done_runs(path).values():
-            if r["side"] != "real" or r["workload"] == "chat" or not r["ttft_s"]:
-                continue
-            point = f"{r['workload']}/{r['arrival']}/{r['load']:g}"
-            ttfts.setdefault(point, {}).setdefault(r["policy"], []).extend(r["ttft_s"])
-            seeds.setdefault(point, {})[r["policy"]] = seeds.get(point, {}).get(r["policy"], 0) + 1
-    return {pt: {p: (1000 * float(np.percentile(v, 99)), seeds[pt][p], len(v)) for p, v in by.items()}
-            for pt, by in sorted(ttfts.items())}
+        runs.append([r for r in done_runs(path).values()
+                     if r["side"] == "real" and r["workload"] != "chat" and r["ttft_s"]])
+    return runs
 
 
-def seed_by_seed(dirs: Sequence[Path], default: str = DEFAULT) -> dict[str, dict[str, tuple[int, int]]]:
+def pooled(runs: Sequence[Sequence[dict[str, Any]]]) -> dict[str, dict[str, tuple[float, int, int]]]:
+    """point -> policy -> (p99 TTFT in ms, seeds, requests) over every directory's runs (`read`)."""
+    table = summarize([r for rows in runs for r in rows]).get("real", {})
+    return {pt: {p: (v["ttft_p99"], v["seeds"], v["n"]) for p, v in by.items()} for pt, by in table.items()}
+
+
+def seed_by_seed(runs: Sequence[Sequence[dict[str, Any]]], default: str = DEFAULT
+                 ) -> dict[str, dict[str, tuple[int, int]]]:
     """point -> policy -> (runs where the default's p99 TTFT was lower, runs where it was higher), over the seeds
     both ran in one directory: a sign test of the default against each other policy, free of the one slow request
     that sets a pooled p99."""
     out: dict[str, dict[str, list[int]]] = {}
-    for d in dirs:
-        p99: dict[tuple[str, int], dict[str, float]] = {}
-        for r in done_runs(d / "runs.jsonl").values():
-            if r["side"] == "real" and r["workload"] != "chat" and r["ttft_s"]:
-                point = f"{r['workload']}/{r['arrival']}/{r['load']:g}"
-                p99.setdefault((point, r["seed"]), {})[r["policy"]] = float(np.percentile(r["ttft_s"], 99))
-        for (point, _), by in p99.items():
-            for p, v in by.items():
-                if p != default and default in by and by[default] != v:
-                    counts = out.setdefault(point, {}).setdefault(p, [0, 0])
-                    counts[0 if by[default] < v else 1] += 1
+    for rows in runs:
+        for point, by_policy in p99_by_seed(rows, "real").items():
+            for seed, mine in by_policy.get(default, {}).items():
+                for p, by_seed in by_policy.items():
+                    if p != default and seed in by_seed and by_seed[seed] != mine:
+                        out.setdefault(point, {}).setdefault(p, [0, 0])[0 if mine < by_seed[seed] else 1] += 1
     return {pt: {p: (c[0], c[1]) for p, c in by.items()} for pt, by in sorted(out.items())}
 
 
 def verdict(dirs: Sequence[Path]) -> str:
-    table = pooled(dirs)
+    runs = read(dirs)
+    table = pooled(runs)
     if not table:
         raise ValueError("no real single-turn runs in " + ", ".join(map(str, dirs)))
     policies = [p for p in POLICIES if any(p in by for by in table.values())]
@@ -73,7 +69,7 @@ def verdict(dirs: Sequence[Path]) -> str:
     lines = [f"Real vLLM-CPU, p99 TTFT in ms pooled over {len(dirs)} run director{'y' if len(dirs) == 1 else 'ies'} "
              "(seeds, requests):", "", markdown_table(["point", *policies], body), ""]
     lines += verdict_lines({pt: {p: v[0] for p, v in by.items()} for pt, by in table.items()}, DEFAULT)
-    signs = seed_by_seed(dirs)
+    signs = seed_by_seed(runs)
     others = [p for p in policies if p != DEFAULT and any(p in by for by in signs.values())]
     if others:
         total = {p: [sum(by[p][k] for by in signs.values() if p in by) for k in (0, 1)] for p in others}

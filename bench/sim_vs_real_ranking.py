@@ -21,7 +21,7 @@ import numpy as np
 from .common import markdown_table
 
 
-def _p99_by_seed(rows: Sequence[dict[str, Any]], side: str) -> dict[str, dict[str, dict[int, float]]]:
+def p99_by_seed(rows: Sequence[dict[str, Any]], side: str) -> dict[str, dict[str, dict[int, float]]]:
     """point -> policy -> seed -> p99 TTFT (s) of that one run; single-turn points only."""
     out: dict[str, dict[str, dict[int, float]]] = {}
     for r in rows:
@@ -38,7 +38,7 @@ def _order(a: float, b: float) -> int:
 def ranking_lines(rows: Sequence[dict[str, Any]], pooled: dict[str, dict[str, Any]], sim_side: str) -> list[str]:
     """The report's section for one simulated side: per point, the real side's own agreement and the simulator's.
     `pooled`: each side's figures pooled over seeds (`sim_vs_real.summarize`)."""
-    real = _p99_by_seed(rows, "real")
+    real = p99_by_seed(rows, "real")
     real_pooled = {pt: {p: v["ttft_p99"] for p, v in by.items()} for pt, by in pooled.get("real", {}).items()}
     sim_pooled = {pt: {p: v["ttft_p99"] for p, v in by.items()} for pt, by in pooled.get(sim_side, {}).items()}
     body: list[list[object]] = []

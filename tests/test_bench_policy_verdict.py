@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from bench.policy_verdict import main, pooled, seed_by_seed, verdict
+from bench.policy_verdict import main, pooled, read, seed_by_seed, verdict
 
 
 def _row(policy: str, seed: int, ttft_ms: list[float], side: str = "real", load: float = 0.5,
          workload: str = "mix") -> dict[str, object]:
     return {"side": side, "workload": workload, "arrival": "poisson", "load": load, "policy": policy, "seed": seed,
-            "ttft_s": [t / 1000 for t in ttft_ms]}
+            "ttft_s": [t / 1000 for t in ttft_ms], "tpot_s": [0.005], "e2e_s": [0.5], "hit_rate": 0.0, "failed": 0}
 
 
 def _run_dir(path: Path, rows: list[dict[str, object]]) -> Path:
@@ -32,16 +32,17 @@ def test_runs_of_several_directories_are_pooled_per_point_and_judged(tmp_path: P
                                       _row("prefix_affinity", 0, [1] * 10, side="sim-together"),
                                       _row("prefix_affinity", 0, [900] * 10, workload="chat")])
     second = _run_dir(tmp_path / "b", [_row("prefix_affinity", 0, [20] * 300), _row("round_robin", 0, [21] * 300)])
-    table = pooled([first, second])
+    table = pooled(read([first, second]))
     assert list(table) == ["mix/poisson/0.5"]
     p99, seeds, requests = table["mix/poisson/0.5"]["prefix_affinity"]
     assert (seeds, requests) == (2, 401) and p99 == pytest.approx(20.0)
-    assert pooled([first])["mix/poisson/0.5"]["prefix_affinity"][0] > 400  # alone, the first run's slow one is p99
+    # alone, the first run's slow requests set its p99
+    assert pooled(read([first]))["mix/poisson/0.5"]["prefix_affinity"][0] > 400
     text = verdict([first, second])
     assert "| mix/poisson/0.5 | 20 (2, 401) | 21 (2, 401) |" in text
     assert "Over 1 point: prefix_affinity, round_robin meet it." in text  # 21 ms is within 10% of 20
     # seed by seed: the default's p99 is higher in the first directory (500 ms), lower in the second
-    assert seed_by_seed([first, second]) == {"mix/poisson/0.5": {"round_robin": (1, 1)}}
+    assert seed_by_seed(read([first, second])) == {"mix/poisson/0.5": {"round_robin": (1, 1)}}
     assert "| mix/poisson/0.5 | 1 of 2 |" in text and "| all | **1 of 2** |" in text
 
 
