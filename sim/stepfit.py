@@ -10,7 +10,10 @@ prefill steps of this size, so many decode steps of that batch and context), and
     bytes  = weights read + KV bytes/token x (tokens of context read + new tokens written)
     flops  = 2 x layer params x new tokens + 2 x lm_head params x sampled + 4 x layers x width x attention pairs
 
-`bandwidth` and `flop_rate` are effective rates (datasheet x efficiency); nothing is per model. The fit minimizes
+`bandwidth` and `flop_rate` are effective rates (datasheet x efficiency); nothing is per model. Runs whose decode
+took a kernel that does not stream the KV cache at the card's bandwidth (vLLM V0's PagedAttention V1 over several
+partitions, which V0 used for sliding-window models at large batches) are kept but marked `outside`: not fitted,
+not judged, their errors reported apart. The fit minimizes
 a Huber loss of the log error of each measurement's total time, per GPU, by Nelder-Mead
 (`sim.calibrate.nelder_mead`).
 
@@ -28,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from synthetic.arch import load_spec
+from synthetic.arch import load_spec, read_config
 
 from .calibrate import nelder_mead
 from .gpus import GIB, GpuSpec, get_gpu
@@ -45,6 +48,7 @@ EXTRA_GPUS = {"GH200": GpuSpec("GH200", 96 * GIB, 4.0e12, 989e12)}
 DECODE_BINS = 16  # a batch's decode steps are priced at this many context lengths (midpoints); exact while linear
 HUBER_DELTA = 0.05
 PREFILL_BUDGET_CAP = 32768  # vLLM caps max_num_batched_tokens by max_model_len; long-context models chunk
+PARTITION_SIZE = 512  # vLLM V0's PagedAttention V2 splits a context into partitions of this many tokens
 
 
 @dataclass(frozen=True)
@@ -70,6 +74,7 @@ class Measurement:
     measured_s: float
     steps: tuple[Steps, ...]
     spec: ModelSpec = field(repr=False)
+    outside: str = ""  # why the model does not describe this run's kernels; empty when it does
 
 
 @dataclass(frozen=True)
@@ -159,6 +164,26 @@ def argonne_steps(spec: ModelSpec, batch: int, io_len: int) -> tuple[Steps, ...]
     return tuple(s for s in steps if s.count > 0)
 
 
+def v0_paged_decode(name: str, data_dir: Path = DATA_DIR) -> bool:
+    """Whether vLLM 0.5-0.6 (V0) decoded this model with its own PagedAttention kernel instead of FlashAttention.
+
+    V0 fell back to the XFormers backend for every model with a sliding window ("Cannot use FlashAttention-2 backend
+    due to sliding window", vllm/attention/selector.py of 0.5.0-0.6.x); a window the config turns off
+    (`use_sliding_window: false`, Qwen) is none, as vLLM's `get_hf_config_sliding_window` reads it.
+    """
+    local = data_dir / "configs" / name / "config.json"
+    cfg = read_config(str(local) if local.is_file() else name)
+    return cfg.get("sliding_window") is not None and cfg.get("use_sliding_window", True) is not False
+
+
+def single_block_decode(spec: ModelSpec, batch: int, io_len: int) -> bool:
+    """Whether V0's PagedAttention took V1 over a context of several partitions in some decode step of this batch:
+    V1 (one thread block per sequence and query head, over the whole context) whenever num_seqs x num_heads > 512,
+    V2 (partitions of 512 tokens in parallel, then a reduction) below that (vllm/attention/ops/paged_attn.py,
+    `use_v1 = max_seq_len <= 8192 and (max_num_partitions == 1 or num_seqs * num_heads > 512)`)."""
+    return batch * spec.num_heads > 512 and 2 * io_len - 1 > PARTITION_SIZE
+
+
 def kv_fits(spec: ModelSpec, gpu: GpuSpec, batch: int, io_len: int) -> bool:
     """Whether B x 2L tokens of KV fit in vLLM's cache (0.9 of memory, with a 10% margin): else vLLM preempts and
     recomputes, which is not a step-time question."""
@@ -176,19 +201,27 @@ def load_bsc(path: Path, data_dir: Path = DATA_DIR) -> list[Measurement]:
 def load_argonne(path: Path, data_dir: Path = DATA_DIR) -> list[Measurement]:
     _, rows = read_csv(path)
     specs = {name: model_spec(name, data_dir) for name in {r["model"] for r in rows}}
+    paged = {name: v0_paged_decode(name, data_dir) for name in specs}
     out = []
     for r in rows:
         spec, batch, io_len = specs[r["model"]], int(r["batch"]), int(r["io_len"])
         if 2 * io_len <= spec.max_model_len and kv_fits(spec, gpu_spec(r["gpu"]), batch, io_len):
+            outside = ("decoded by V0's PagedAttention V1 over several partitions"
+                       if paged[r["model"]] and single_block_decode(spec, batch, io_len) else "")
             out.append(Measurement("argonne", r["gpu"], r["model"], f"B={batch} L={io_len}", float(r["latency_s"]),
-                                   argonne_steps(spec, batch, io_len), spec))
+                                   argonne_steps(spec, batch, io_len), spec, outside))
     return out
 
 
 def load_all(data_dir: Path = DATA_DIR) -> list[Measurement]:
     """Every measurement of both sources; argonne rows longer than the model's context (vLLM rejects them at once)
-    or that would preempt are left out."""
+    or that would preempt are left out. Rows on a kernel the model does not describe are kept, marked `outside`."""
     return load_bsc(data_dir / BSC_FILE, data_dir) + load_argonne(data_dir / ARGONNE_FILE, data_dir)
+
+
+def described(measurements: Iterable[Measurement]) -> list[Measurement]:
+    """The measurements whose kernels the model describes: those it is fitted to and judged on."""
+    return [m for m in measurements if not m.outside]
 
 
 # --- the model ---------------------------------------------------------------------------------------------------
@@ -250,8 +283,8 @@ def predict(constants: GpuConstants, measurements: Sequence[Measurement]) -> np.
 
 
 def log_loss(table: StepTable, c: GpuConstants, delta: float = HUBER_DELTA) -> float:
-    """Huber loss of the log ratio: squared within `delta` (5%), linear beyond, so that one model whose runs
-    behave unlike its shape (Mistral-7B on the H100 80 GB, docs/sim.md) does not drag a GPU's constants."""
+    """Huber loss of the log ratio: squared within `delta` (5%), linear beyond, so that one odd window (a BSC
+    batch just refilled after preemptions, docs/sim.md) does not drag a GPU's constants."""
     r = np.abs(np.log(table.predict(c)) - np.log(table.measured))
     return float(np.mean(np.where(r < delta, 0.5 * r * r, delta * (r - 0.5 * delta))))
 
@@ -271,8 +304,8 @@ def fit(measurements: Sequence[Measurement], start: GpuConstants, rounds: int = 
 
 
 def fit_per_gpu(measurements: Sequence[Measurement]) -> dict[str, GpuConstants]:
-    """One set of constants per GPU, from that GPU's measurements."""
-    by_gpu = group(measurements, lambda m: m.gpu)
+    """One set of constants per GPU, from that GPU's measurements that the model describes."""
+    by_gpu = group(described(measurements), lambda m: m.gpu)
     return {g: fit(ms, start_for(gpu_spec(g))) for g, ms in sorted(by_gpu.items())}
 
 
@@ -294,7 +327,8 @@ class HeldOut:
     gpu: str
     params: int
     points: int
-    errors: tuple[float, ...]  # predicted / measured - 1, per measurement
+    errors: tuple[float, ...]  # predicted / measured - 1, per measurement the model describes
+    outside: tuple[float, ...] = ()  # the same, per measurement on a kernel it does not (not judged)
 
     @property
     def mean_abs(self) -> float:
@@ -309,17 +343,28 @@ class HeldOut:
         return float(np.mean(self.errors))
 
 
+def errors_of(constants: GpuConstants, measurements: Sequence[Measurement]) -> tuple[float, ...]:
+    """predicted / measured - 1 for each measurement."""
+    if not measurements:
+        return ()
+    got = predict(constants, measurements) / np.array([m.measured_s for m in measurements]) - 1
+    return tuple(float(e) for e in got)
+
+
 def leave_one_model_out(measurements: Sequence[Measurement]) -> list[HeldOut]:
-    """For every model and GPU: fit that GPU's constants on the other models, predict this one."""
+    """For every model and GPU: fit that GPU's constants on the other models (the points the model describes),
+    predict this one, both its described points and those outside."""
     out = []
     for gpu, ms in sorted(group(measurements, lambda m: m.gpu).items()):
         for model, held in sorted(group(ms, lambda m: m.model).items()):
-            rest = [m for m in ms if m.model != model]
-            if not rest:
+            rest = described(m for m in ms if m.model != model)
+            inside = described(held)
+            if not rest or not inside:
                 continue
             c = fit(rest, start_for(gpu_spec(gpu)))
-            errors = predict(c, held) / np.array([m.measured_s for m in held]) - 1
-            out.append(HeldOut(model, gpu, held[0].spec.params, len(held), tuple(float(e) for e in errors)))
+            outside = [m for m in held if m.outside]
+            out.append(HeldOut(model, gpu, held[0].spec.params, len(inside), errors_of(c, inside),
+                               errors_of(c, outside)))
     return sorted(out, key=lambda h: (h.gpu, h.params))
 
 
@@ -343,17 +388,33 @@ def format_held_out(rows: Sequence[HeldOut], goal: float = 0.15) -> str:
     return "\n".join(lines)
 
 
+def format_outside(rows: Sequence[HeldOut]) -> str:
+    """The held-out error on the points outside the model, and over every point of the model and GPU."""
+    lines = ["| GPU | model | points outside | their mean error | worst | mean abs error, every point |",
+             "|---|---|---:|---:|---:|---:|"]
+    for h in rows:
+        if h.outside:
+            every = np.abs(np.array(h.errors + h.outside))
+            lines.append(f"| {h.gpu} | {h.model} | {len(h.outside)} | {np.mean(h.outside):+.1%} | "
+                         f"{h.outside[int(np.argmax(np.abs(h.outside)))]:+.1%} | {np.mean(every):.1%} |")
+    return "\n".join(lines)
+
+
 def report(data_dir: Path = DATA_DIR) -> str:
-    """The fitted constants on all data, and the leave-one-model-out table."""
+    """The fitted constants, the leave-one-model-out table, and the points outside the model."""
     measurements = load_all(data_dir)
+    inside = described(measurements)
     models = sorted({m.model for m in measurements})
     gpus = sorted({m.gpu for m in measurements})
     held = leave_one_model_out(measurements)
     return "\n\n".join([
-        f"{len(measurements)} measurements, {len(models)} models ({', '.join(models)}), {len(gpus)} GPUs",
-        "Constants fitted on all data:\n" + format_constants(fit_per_gpu(measurements)),
+        f"{len(measurements)} measurements, {len(models)} models ({', '.join(models)}), {len(gpus)} GPUs; "
+        f"{len(measurements) - len(inside)} on a kernel the model does not describe (vLLM V0's PagedAttention V1 "
+        "over several partitions: sliding-window models at num_seqs x num_heads > 512), not fitted, not judged",
+        "Constants fitted on all the data the model describes:\n" + format_constants(fit_per_gpu(measurements)),
         "Leave one model out (constants of that GPU fitted without the model):\n" + format_held_out(held),
-        f"within 15% (mean abs error): {sum(h.mean_abs <= 0.15 for h in held)} of {len(held)}"])
+        f"within 15% (mean abs error): {sum(h.mean_abs <= 0.15 for h in held)} of {len(held)}",
+        "The points outside, predicted by the same held-out constants:\n" + format_outside(held)])
 
 
 def main(argv: Sequence[str] | None = None) -> None:
