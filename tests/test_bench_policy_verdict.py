@@ -8,13 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from bench.policy_verdict import main, pooled, read, seed_by_seed, verdict
+from bench.policy_verdict import main, pooled, pooled_in_steps, read, seed_by_seed, verdict
 
 
 def _row(policy: str, seed: int, ttft_ms: list[float], side: str = "real", load: float = 0.5,
-         workload: str = "mix") -> dict[str, object]:
+         workload: str = "mix", tpot_ms: float = 5.0) -> dict[str, object]:
     return {"side": side, "workload": workload, "arrival": "poisson", "load": load, "policy": policy, "seed": seed,
-            "ttft_s": [t / 1000 for t in ttft_ms], "tpot_s": [0.005], "e2e_s": [0.5], "hit_rate": 0.0, "failed": 0}
+            "ttft_s": [t / 1000 for t in ttft_ms], "tpot_s": [tpot_ms / 1000], "e2e_s": [0.5], "hit_rate": 0.0,
+            "failed": 0}
 
 
 def _run_dir(path: Path, rows: list[dict[str, object]]) -> Path:
@@ -44,6 +45,21 @@ def test_runs_of_several_directories_are_pooled_per_point_and_judged(tmp_path: P
     # seed by seed: the default's p99 is higher in the first directory (500 ms), lower in the second
     assert seed_by_seed(read([first, second])) == {"mix/poisson/0.5": {"round_robin": (1, 1)}}
     assert "| mix/poisson/0.5 | 1 of 2 |" in text and "| all | **1 of 2** |" in text
+
+
+def test_in_engine_steps_a_slow_minute_divides_out(tmp_path: Path) -> None:
+    """Round robin ran in a minute when the machine was 1.5 x slower: its TTFTs (30 ms) and its TPOT (7.5 ms) both
+    1.5 x the default's (20 ms, 5 ms). In ms the default meets the goal and round robin does not; in steps (4 each)
+    both do."""
+    run = _run_dir(tmp_path / "a", [_row("prefix_affinity", 0, [20] * 100),
+                                    _row("round_robin", 0, [30] * 100, tpot_ms=7.5)])
+    steps = pooled_in_steps(read([run]))
+    assert steps == {"mix/poisson/0.5": {"prefix_affinity": pytest.approx(4.0), "round_robin": pytest.approx(4.0)}}
+    text = verdict([run])
+    in_ms, in_steps = text.split("In engine steps")
+    assert "Over 1 point: prefix_affinity meets it." in in_ms
+    assert "| mix/poisson/0.5 | 4.0 | 4.0 |" in in_steps
+    assert "Over 1 point: prefix_affinity, round_robin meet it." in in_steps
 
 
 def test_a_directory_without_runs_is_a_usage_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
