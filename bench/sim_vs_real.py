@@ -24,7 +24,10 @@ One command:
    the simulated replicas). This machine's speed wanders by a quarter within minutes (docs/sim.md). With
    `--match-steps`, a side "sim-matched": the "together" calibration with every step scaled by how much slower
    the real engines stepped than it in the seed-0 runs (vLLM's counters, at their own batch), run and judged on
-   the other seeds only;
+   the other seeds only. With `--pair-steps`, a side "sim-paired": the "together" calibration, each run's steps
+   scaled to its own real twin's (that run's mean step from vLLM's counters over the model at that run's batch).
+   It takes the speed from the run it is judged against, so it is an oracle for the machine's speed and a test of
+   everything else the simulator does (scheduling, batching, chunked prefill, routing, tails);
 7. the real side's first run is run `--repeats` more times (side "real-repeat", other prompts of the same
    lengths), spread over the real side's series: how far an identical schedule moves on the real replicas, the
    floor under every error against the simulator (on this shared 2-core machine, 10 identical sharegpt runs at
@@ -71,7 +74,7 @@ from .sim_vs_real_calibration import MODEL, calibrate, profile_dir, profile_roun
 from .sim_vs_real_inflight import inflight_lines
 from .sim_vs_real_ranking import ranking_lines, verdict_lines
 from .sim_vs_real_rounds import models_lines, rounds_lines
-from .sim_vs_real_steps import decoding_context, steps_lines, warmup_scale
+from .sim_vs_real_steps import decoding_context, run_scale, steps_lines, warmup_scale
 
 POLICIES = ("prefix_affinity", "least_outstanding_tokens", "least_requests", "round_robin")
 CHAT_POLICIES = ("prefix_affinity", "consistent_hash", "least_outstanding_tokens", "round_robin")
@@ -87,6 +90,7 @@ CALIBRATIONS = {"together": "sim-together", "isolated": "sim"}  # how the profil
 REPEAT = "real-repeat"  # the real side's first run again, to measure how repeatable the real side is
 MATCHED = "sim-matched"  # the together calibration, its steps scaled to the real engines' own in the seed-0 runs
 FOLLOWED = "sim-followed"  # the "together" calibration scaled, run by run, by the real engines' speed then
+PAIRED = "sim-paired"  # the together calibration, each run's steps scaled to its real twin's own (an oracle for speed)
 
 
 @dataclass(frozen=True)
@@ -304,6 +308,12 @@ class Setup:
     follow_speed: bool = False  # a side FOLLOWED: the together calibration at each real run's engine speed
     calibration_rounds: int = 1  # each calibration's profiles taken this many times, spread over the real side
     match_steps: bool = False  # a side MATCHED, run on the seeds after the first (the first is its warm-up)
+    pair_steps: bool = False  # a side PAIRED: each run at its real twin's own step speed
+
+    def sides(self) -> tuple[str, ...]:
+        """Every side, in the order they run: the real one first (the simulated sides need its runs)."""
+        return ("real", *(CALIBRATIONS[c] for c in self.calibrations), *((MATCHED,) if self.match_steps else ()),
+                *((FOLLOWED,) if self.follow_speed else ()), *((PAIRED,) if self.pair_steps else ()))
 
     def round_marks(self, real_runs: int) -> dict[int, int]:
         """Where the calibration rounds after the first are taken: {index of the real run they come before: the
@@ -416,14 +426,12 @@ def measure(setup: Setup) -> None:
             meta_path.write_text(json.dumps(meta, indent=1))
         rounds_at = setup.round_marks(len(setup.runs("real")))
         policies = tuple(dict.fromkeys(setup.policies + setup.chat_policies))
-        sides = ("real", *(CALIBRATIONS[c] for c in setup.calibrations), *((MATCHED,) if setup.match_steps else ()),
-                 *((FOLLOWED,) if setup.follow_speed else ()))
-        for k, side_name in enumerate(sides):
+        for k, side_name in enumerate(setup.sides()):
             port = gw_port + 100 * (k + 1)
             if side_name == "real":
                 urls, pids = real, real_pids
             else:  # every real run is done, every round of the calibrations taken
-                calibration = "together" if side_name in (MATCHED, FOLLOWED) else next(
+                calibration = "together" if side_name in (MATCHED, FOLLOWED, PAIRED) else next(
                     c for c, n in CALIBRATIONS.items() if n == side_name)
                 if f"replica_model{suffix(calibration)}" not in meta:
                     model_path = out / f"replica{suffix(calibration)}.json"
@@ -464,6 +472,10 @@ def measure(setup: Setup) -> None:
                     elif side_name == FOLLOWED:
                         twin = done[replace(run, side="real").key]
                         pace["scale"] = twin["engine_speed"]["ms_a_step"] / meta["speed_ref"]["ms_a_step"]
+                        set_scale(urls, pace["scale"])
+                    elif side_name == PAIRED:
+                        twin = done[replace(run, side="real").key]
+                        pace["scale"] = run_scale(twin, len(real), meta["replica_model_together"])
                         set_scale(urls, pace["scale"])
                     row = {**run_point(run, side, rate, duration, tokenizer, hash_text(run.key.split("/", 1)[1]),
                                        out / "tmp-run"), **pace}
@@ -613,14 +625,22 @@ def report(out: Path, meta: dict[str, Any]) -> str:
                   f"ms a step right after the calibration; before the real runs, {FOLLOWED}'s scale (that run's "
                   f"reading over this one) {min(scales, default=math.nan):.2f}-{max(scales, default=math.nan):.2f}, "
                   f"median {float(np.median(scales)) if scales else math.nan:.2f}.", ""]
-    for side_name in (n for n in (*CALIBRATIONS.values(), FOLLOWED) if n in table):
+    for side_name in (n for n in (*CALIBRATIONS.values(), FOLLOWED, PAIRED) if n in table):
+        if side_name == PAIRED:
+            scales = [r["scale"] for r in rows if r["side"] == PAIRED and "scale" in r]
+            lines += [f"## `{PAIRED}`: each run at its real twin's own step speed", "",
+                      "The together model, each run's steps scaled to its real twin's (that run's mean step over the "
+                      "model at that run's own batch, vLLM's counters): "
+                      f"{min(scales, default=math.nan):.2f}-{max(scales, default=math.nan):.2f} x, median "
+                      f"{float(np.median(scales)) if scales else math.nan:.2f}. The speed comes from the run it is "
+                      "judged against, so this side's errors are those of everything but the machine's speed.", ""]
         lines += versus(real, table[side_name], side_name)
         lines += ranking_lines(rows, table, side_name)
         lines += inflight_lines(rows, int(meta.get("replicas", 2)), side_name)  # runs before 11-26: always 2
         suffix = next((f"_{c}" if c != "isolated" else "" for c, n in CALIBRATIONS.items() if n == side_name),
                       "_together")
         lines += steps_lines(rows, int(meta.get("replicas", 2)), side_name, meta.get(f"replica_model{suffix}"),
-                             scaled=side_name == FOLLOWED)
+                             scaled=side_name in (FOLLOWED, PAIRED))
     if MATCHED in table:
         held = [r for r in rows if r["seed"] > 0]
         lines += [f"## `{MATCHED}`: steps matched to the real engines' own in the seed-0 runs", "",
@@ -746,6 +766,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--match-steps", action="store_true", help="add a side sim-matched: the together "
                         "calibration, its steps scaled by how much slower the real engines stepped than it in the "
                         "seed-0 runs (vLLM's counters, at their own batch); run and judged on the other seeds")
+    parser.add_argument("--pair-steps", action="store_true", help="add a side sim-paired: the together "
+                        "calibration, each run's steps scaled to its own real twin's (an oracle for the machine's "
+                        "speed, a test of everything else)")
     parser.add_argument("--repeats", type=int, help="run the real side's first run this many more "
                         "times, spread over its series, to measure how repeatable the real side is (3; --quick: 0)")
     parser.add_argument("--report", action="store_true", help="only rebuild the report from OUT/runs.jsonl")
@@ -771,17 +794,17 @@ def main(argv: Sequence[str] | None = None) -> None:
                      "the real side alone)")
     setup = replace(setup, deployment=args.deployment, calibrations=calibrations,
                     repeats=repeats, follow_speed=args.follow_speed, calibration_rounds=args.calibration_rounds,
-                    match_steps=args.match_steps)
+                    match_steps=args.match_steps, pair_steps=args.pair_steps)
     if setup.match_steps and ("together" not in setup.calibrations or setup.seeds < 2):
         parser.error("--match-steps scales the together calibration to the seed-0 runs and is judged on the other "
                      "seeds: it needs together in --calibrations and --seeds 2 or more")
     if setup.calibration_rounds < 1:
         parser.error(f"--calibration-rounds must be >= 1, got {setup.calibration_rounds}")
+    if setup.pair_steps and "together" not in setup.calibrations:
+        parser.error("--pair-steps scales the together calibration: add together to --calibrations")
     if setup.follow_speed and "together" not in setup.calibrations:
         parser.error("--follow-speed scales the together calibration: add together to --calibrations")
-    sides = ("real", *(CALIBRATIONS[c] for c in setup.calibrations), *((MATCHED,) if setup.match_steps else ()),
-             *((FOLLOWED,) if setup.follow_speed else ()))
-    runs = [r for side in sides for r in setup.runs(side)]
+    runs = [r for side in setup.sides() for r in setup.runs(side)]
     if args.dry_run:
         print(f"{len(runs)} runs of {setup.duration:g} s of schedule (about {len(runs) * (setup.duration + 12) / 60:.0f}"
               " min, plus 3-4 min of start, profile and capacities)")

@@ -102,16 +102,31 @@ def steps_lines(rows: Sequence[dict[str, Any]], replicas: int, sim_side: str,
                "profile's)" if model else "") + ".", "", markdown_table(head, body), ""]
 
 
+def step_ratio(row: dict[str, Any], replicas: int, model: ReplicaModel) -> float | None:
+    """How many times slower than the replica model one run's engines stepped: its mean step over the model at its
+    own batch, prompt tokens a step and decoding context (None without vLLM's counters)."""
+    figures = per_run(row, replicas)
+    if not figures:
+        return None
+    sampled, ms, prompt = figures
+    return ms / model_ms(model, sampled, prompt, row.get("context"))
+
+
+def run_scale(row: dict[str, Any], replicas: int, model_path: str) -> float:
+    """`step_ratio` of one real run, for its simulated twin; an error naming the run where it has no counters."""
+    ratio = step_ratio(row, replicas, ReplicaModel.load(model_path))
+    if ratio is None:
+        raise ValueError(f"run {row['workload']}/{row['load']:g}/{row['seed']}/{row['policy']} has no vLLM step "
+                         "counters to pair its simulated twin's speed with")
+    return ratio
+
+
 def warmup_scale(rows: Sequence[dict[str, Any]], replicas: int, model_path: str) -> float:
     """How many times slower than the replica model the real engines stepped in their seed-0 runs (the warm-up),
     each run's mean step over the model at that run's own batch and prompt tokens a step: the median."""
     model = ReplicaModel.load(model_path)
-    ratios = []
-    for r in rows:
-        figures = per_run(r, replicas) if r["side"] == "real" and r["seed"] == 0 and r["workload"] != "chat" else None
-        if figures:
-            sampled, ms, prompt = figures
-            ratios.append(ms / model_ms(model, sampled, prompt, r.get("context")))
+    ratios = [ratio for r in rows if r["side"] == "real" and r["seed"] == 0 and r["workload"] != "chat"
+              if (ratio := step_ratio(r, replicas, model)) is not None]
     if not ratios:
         raise ValueError("no single-turn real run of seed 0 with vLLM's step counters to match the model to")
     return float(np.median(ratios))

@@ -292,3 +292,33 @@ def test_the_matched_side_is_scaled_to_the_seed_0_runs_and_runs_only_the_others(
     assert "`sim-together` (seeds after the first): median absolute error over all rows: ttft_p50 0%" in text
     assert f"`{MATCHED}` (seeds after the first): median absolute error over all rows: ttft_p50 0%, ttft_p99 0%, " \
            "tpot_p50 10%" in text
+
+
+def test_the_paired_side_runs_each_run_at_its_real_twins_own_step_speed(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A real run stepping 10 ms where the model gives 9.0 at its batch: its simulated twin runs at 1.11 x. A run
+    without vLLM's counters cannot be paired (an error naming it); the side needs the together calibration; the
+    report says the scales and sets the side against the real one."""
+    from bench.sim_vs_real import PAIRED, main
+    from bench.sim_vs_real_steps import run_scale
+
+    model = ReplicaModel(model_name="m", step_s=((1, 0.005), (16, 0.0125)), prefill_s_per_token=50e-6,
+                         frontend_s=0.0, max_num_seqs=32, max_num_batched_tokens=2048, chunked_prefill=True,
+                         prefix_caching=True, block_size=128, num_blocks=100, max_model_len=2048)
+    path = tmp_path / "replica.json"
+    path.write_text(model.to_json())
+    assert run_scale(_stepped("real", 2000, 16000, 20000), 2, str(path)) == pytest.approx(10 / 9)
+    with pytest.raises(ValueError, match="sharegpt/0.8/0/round_robin has no vLLM step counters"):
+        run_scale({**_stepped("real", 1, 1, 1), "engine": None}, 2, str(path))
+    paired = Setup(**{**setup(0).__dict__, "pair_steps": True})
+    assert paired.sides() == ("real", "sim-together", PAIRED)
+    assert len(paired.runs(PAIRED)) == len(paired.runs("real"))
+    with pytest.raises(SystemExit) as exc:
+        main(["--pair-steps", "--calibrations", "", "--dry-run"])
+    assert exc.value.code == 2 and "--pair-steps" in capsys.readouterr().err
+    rows = [row("real", 0, 20.0, 5.0), row("sim-together", 0, 15.0, 4.0), {**row(PAIRED, 0, 19.0, 5.0), "scale": 1.2}]
+    (tmp_path / "runs.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    text = report(tmp_path, {"capacity_real_mix": 18.0, "replica_model_together": str(path)})
+    assert f"## `{PAIRED}`: each run at its real twin's own step speed" in text
+    assert "1.20-1.20 x, median 1.20" in text
+    assert f"`{PAIRED}`: median absolute error over all rows: ttft_p50 5%" in text
