@@ -390,6 +390,8 @@ def format_held_out(rows: Sequence[HeldOut], goal: float = 0.15) -> str:
 
 def format_outside(rows: Sequence[HeldOut]) -> str:
     """The held-out error on the points outside the model, and over every point of the model and GPU."""
+    if not any(h.outside for h in rows):
+        return "none"
     lines = ["| GPU | model | points outside | their mean error | worst | mean abs error, every point |",
              "|---|---|---:|---:|---:|---:|"]
     for h in rows:

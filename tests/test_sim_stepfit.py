@@ -163,3 +163,5 @@ def test_the_report_prints_the_table() -> None:
     assert "Leave one model out" in text and "| H100-64GB | llama-2-13b |" in text
     assert "| A100-40GB | llama-3-8b |" in text
     assert "within 15% (mean abs error): 20 of 20" in text and "| H100-80GB | mistral-7b | 6 |" in text
+    bsc = stepfit.load_bsc(DATA / stepfit.BSC_FILE)
+    assert stepfit.format_outside(stepfit.leave_one_model_out(bsc)) == "none"  # no model outside
