@@ -107,10 +107,15 @@ def gpu_spec(name: str) -> GpuSpec:
     return EXTRA_GPUS[name] if name in EXTRA_GPUS else get_gpu(name)
 
 
-def model_spec(name: str, data_dir: Path = DATA_DIR) -> ModelSpec:
-    """A config from `data_dir/configs/NAME`, else a shipped one (synthetic/configs)."""
+def config_source(name: str, data_dir: Path = DATA_DIR) -> str:
+    """Where NAME's config.json is: `data_dir/configs/NAME`, else a shipped one (synthetic/configs)."""
     local = data_dir / "configs" / name / "config.json"
-    return load_spec(str(local) if local.is_file() else name)
+    return str(local) if local.is_file() else name
+
+
+def model_spec(name: str, data_dir: Path = DATA_DIR) -> ModelSpec:
+    """NAME's shape, from its config (`config_source`)."""
+    return load_spec(config_source(name, data_dir))
 
 
 def read_csv(path: Path) -> tuple[list[str], list[dict[str, str]]]:
@@ -171,8 +176,7 @@ def v0_paged_decode(name: str, data_dir: Path = DATA_DIR) -> bool:
     due to sliding window", vllm/attention/selector.py of 0.5.0-0.6.x); a window the config turns off
     (`use_sliding_window: false`, Qwen) is none, as vLLM's `get_hf_config_sliding_window` reads it.
     """
-    local = data_dir / "configs" / name / "config.json"
-    cfg = read_config(str(local) if local.is_file() else name)
+    cfg = read_config(config_source(name, data_dir))
     return cfg.get("sliding_window") is not None and cfg.get("use_sliding_window", True) is not False
 
 
@@ -319,6 +323,11 @@ def group(measurements: Iterable[Measurement], key: Callable[[Measurement], str]
 # --- leave one model out -----------------------------------------------------------------------------------------
 
 
+def largest(errors: Sequence[float]) -> float:
+    """The error furthest from zero, with its sign."""
+    return float(errors[int(np.argmax(np.abs(errors)))])
+
+
 @dataclass(frozen=True)
 class HeldOut:
     """One model on one GPU, predicted by constants fitted without any of that model's measurements."""
@@ -336,7 +345,7 @@ class HeldOut:
 
     @property
     def worst(self) -> float:
-        return float(self.errors[int(np.argmax(np.abs(self.errors)))])
+        return largest(self.errors)
 
     @property
     def bias(self) -> float:
@@ -398,7 +407,7 @@ def format_outside(rows: Sequence[HeldOut]) -> str:
         if h.outside:
             every = np.abs(np.array(h.errors + h.outside))
             lines.append(f"| {h.gpu} | {h.model} | {len(h.outside)} | {np.mean(h.outside):+.1%} | "
-                         f"{h.outside[int(np.argmax(np.abs(h.outside)))]:+.1%} | {np.mean(every):.1%} |")
+                         f"{largest(h.outside):+.1%} | {np.mean(every):.1%} |")
     return "\n".join(lines)
 
 
