@@ -30,7 +30,7 @@ import numpy as np
 
 from .common import markdown_table
 from .sim_vs_real import DEFAULT, POLICIES, done_runs, summarize
-from .sim_vs_real_ranking import p99_by_seed, verdict_lines
+from .sim_vs_real_ranking import p99_by_seed, point_of, verdict_lines
 
 
 def read(dirs: Sequence[Path]) -> list[list[dict[str, Any]]]:
@@ -58,9 +58,8 @@ def pooled_in_steps(runs: Sequence[Sequence[dict[str, Any]]]) -> dict[str, dict[
     for rows in runs:
         for r in rows:
             if r["tpot_s"]:
-                point = f"{r['workload']}/{r['arrival']}/{r['load']:g}"
                 step = float(np.median(r["tpot_s"]))
-                ratios.setdefault(point, {}).setdefault(r["policy"], []).append(np.asarray(r["ttft_s"]) / step)
+                ratios.setdefault(point_of(r), {}).setdefault(r["policy"], []).append(np.asarray(r["ttft_s"]) / step)
     return {pt: {p: float(np.percentile(np.concatenate(v), 99)) for p, v in sorted(by.items())}
             for pt, by in sorted(ratios.items())}
 

@@ -72,7 +72,7 @@ from .common import figure_path, machine_speed, markdown_table, pyplot, save
 from .engine_speed import counters, read_sync
 from .sim_vs_real_calibration import MODEL, calibrate, profile_dir, profile_round, profiled, round_models
 from .sim_vs_real_inflight import inflight_lines
-from .sim_vs_real_ranking import ranking_lines, verdict_lines
+from .sim_vs_real_ranking import point_of, ranking_lines, verdict_lines
 from .sim_vs_real_rounds import models_lines, rounds_lines
 from .sim_vs_real_steps import decoding_context, run_scale, steps_lines, warmup_scale
 
@@ -469,13 +469,11 @@ def measure(setup: Setup) -> None:
                         pace["engine_speed"] = asdict(read_sync(urls))
                     elif side_name == MATCHED:
                         pace["scale"] = meta["matched_scale"]
-                    elif side_name == FOLLOWED:
+                    elif side_name in (FOLLOWED, PAIRED):  # each run at a speed read from its real twin
                         twin = done[replace(run, side="real").key]
-                        pace["scale"] = twin["engine_speed"]["ms_a_step"] / meta["speed_ref"]["ms_a_step"]
-                        set_scale(urls, pace["scale"])
-                    elif side_name == PAIRED:
-                        twin = done[replace(run, side="real").key]
-                        pace["scale"] = run_scale(twin, len(real), meta["replica_model_together"])
+                        pace["scale"] = (twin["engine_speed"]["ms_a_step"] / meta["speed_ref"]["ms_a_step"]
+                                         if side_name == FOLLOWED else
+                                         run_scale(twin, len(real), meta["replica_model_together"]))
                         set_scale(urls, pace["scale"])
                     row = {**run_point(run, side, rate, duration, tokenizer, hash_text(run.key.split("/", 1)[1]),
                                        out / "tmp-run"), **pace}
@@ -510,7 +508,7 @@ def summarize(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """side -> point -> policy -> pooled figures."""
     groups: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
     for r in rows:
-        groups.setdefault((r["side"], f"{r['workload']}/{r['arrival']}/{r['load']:g}", r["policy"]), []).append(r)
+        groups.setdefault((r["side"], point_of(r), r["policy"]), []).append(r)
     out: dict[str, dict[str, Any]] = {}
     for (side, point, policy), group in sorted(groups.items()):
         out.setdefault(side, {}).setdefault(point, {})[policy] = pooled(group)
@@ -698,7 +696,7 @@ def cpu_table(rows: Sequence[dict[str, Any]]) -> list[str]:
     groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for r in rows:
         if r.get("cpu"):
-            groups.setdefault((r["side"], f"{r['workload']}/{r['arrival']}/{r['load']:g}"), []).append(r["cpu"])
+            groups.setdefault((r["side"], point_of(r)), []).append(r["cpu"])
     if not groups:
         return []
     med = np.median

@@ -21,13 +21,17 @@ import numpy as np
 from .common import markdown_table
 
 
+def point_of(row: dict[str, Any]) -> str:
+    """A run's point, as every table of the comparison names it: workload/arrivals/load."""
+    return f"{row['workload']}/{row['arrival']}/{row['load']:g}"
+
+
 def p99_by_seed(rows: Sequence[dict[str, Any]], side: str) -> dict[str, dict[str, dict[int, float]]]:
     """point -> policy -> seed -> p99 TTFT (s) of that one run; single-turn points only."""
     out: dict[str, dict[str, dict[int, float]]] = {}
     for r in rows:
         if r["side"] == side and r["workload"] != "chat" and r["ttft_s"]:
-            point = f"{r['workload']}/{r['arrival']}/{r['load']:g}"
-            out.setdefault(point, {}).setdefault(r["policy"], {})[r["seed"]] = float(np.percentile(r["ttft_s"], 99))
+            out.setdefault(point_of(r), {}).setdefault(r["policy"], {})[r["seed"]] = float(np.percentile(r["ttft_s"], 99))
     return out
 
 

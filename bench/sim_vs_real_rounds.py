@@ -22,6 +22,7 @@ from sim.fromprofile import median_round
 from sim.measured import ReplicaModel
 
 from .common import markdown_table
+from .sim_vs_real_ranking import point_of
 from .sim_vs_real_steps import model_ms, per_run
 
 
@@ -57,7 +58,7 @@ def models_lines(rows: Sequence[dict[str, Any]], replicas: int, fitted: str, rou
     for r in rows:
         figures = per_run(r, replicas) if r["side"] == "real" and r["workload"] != "chat" else None
         if figures:
-            cells.setdefault(f"{r['workload']}/{r['arrival']}/{r['load']:g}", []).append(figures)
+            cells.setdefault(point_of(r), []).append(figures)
     body = []
     for point, runs in sorted(cells.items()):
         real = float(np.median([ms for _, ms, _ in runs]))

@@ -29,6 +29,7 @@ import numpy as np
 from sim.measured import ReplicaModel
 
 from .common import markdown_table
+from .sim_vs_real_ranking import point_of
 
 
 def per_run(row: dict[str, Any], replicas: int) -> tuple[float, float, float] | None:
@@ -70,7 +71,7 @@ def steps_lines(rows: Sequence[dict[str, Any]], replicas: int, sim_side: str,
         figures = per_run(r, replicas) if r["workload"] != "chat" and r["side"] in ("real", sim_side) else None
         if figures:
             scale = scales.get(_twin(r), math.nan) if scaled else 1.0
-            cells.setdefault((f"{r['workload']}/{r['arrival']}/{r['load']:g}", r["side"]), []).append(
+            cells.setdefault((point_of(r), r["side"]), []).append(
                 (*figures, scale, r.get("context")))
     points = sorted({p for p, _ in cells})
     if not any((p, "real") in cells and (p, sim_side) in cells for p in points):
