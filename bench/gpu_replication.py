@@ -162,15 +162,19 @@ def machine_facts(settings: Settings, sampler: Any) -> dict[str, Any]:
 def run(settings: Settings, steps: Sequence[str], log: Callable[[str], None] = print) -> Path | None:
     """Run the steps in order; return summary.md's path when the report step ran."""
     from bench.gpu import report
-    from bench.gpu.steps import Context, frontier, plan, replica_counts
-    from deploy.hardware import detect
+    from bench.gpu.steps import Context, decide, frontier, plan, replica_counts
+    from deploy.hardware import Hardware, detect
     from planner.gpu import open_sampler
 
     store = Store(settings.out)
     if tuple(steps) == ("report",):
         # The report alone measures nothing: it reads the points, so it runs anywhere (a GPU run's results
         # re-reported on a laptop), and keeps the settings and machine facts of the run that measured them.
+        # The decisions are taken again from the stored counts, by today's rule.
         log("== report")
+        ctx = Context(settings, store, Hardware(gpus=(), cpus=()), None, log)
+        for step in ("replicas", "mps"):
+            decide(ctx, step)
         return report.write(settings, store)
     settings.out.mkdir(parents=True, exist_ok=True)
     write_json(settings.out / "settings.json", settings.to_dict())

@@ -250,6 +250,9 @@ def _validate_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
     p.add_argument("--run-dir", type=Path, help="deploy run directories and logs (default: beside the plan)")
     p.add_argument("--startup-timeout", type=float, default=900.0, help="seconds a replica may take to start")
     p.add_argument("--warmup", type=int, default=2, help="warm-up requests before each count (2)")
+    p.add_argument("--clients", type=int, default=0,
+                   help="client processes that send each count's load (default 0: one per replica; 1: this "
+                        "process alone, which can be the limit on a fast GPU)")
     p.add_argument("--plots", type=Path, help="draw throughput and latency against replica count here")
     p.add_argument("--duration", type=float, default=60.0,
                    help="multi-model plans: seconds of mixed traffic per arrangement (60)")
@@ -272,7 +275,7 @@ def _run_validate(args: argparse.Namespace) -> int:
         return _run_multi_validate(args, plan)
     config = ValidateConfig(counts=args.counts or tuple(range(1, len(plan.replicas) + 1)),
                             num_requests=args.num_requests, min_gain=args.min_gain, warmup_requests=args.warmup,
-                            timeouts=Timeouts(request_s=args.request_timeout))
+                            timeouts=Timeouts(request_s=args.request_timeout), clients=args.clients)
     workload = build_workload(_validate_workload(args, plan.reasoning.get("workload") or {}), plan.model)
     run_dir = args.run_dir or args.plan.resolve().parent / "validate-run"
     deployer = SubprocessDeployer(run_dir=run_dir, startup_timeout_s=args.startup_timeout)

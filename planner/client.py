@@ -66,6 +66,7 @@ class LoadResult:
 
     results: tuple[RequestResult, ...]
     concurrency: int
+    client_cpu_s: float | None = None  # the clients' CPU seconds over the run, where they were measured
 
     @property
     def duration_s(self) -> float:

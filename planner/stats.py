@@ -37,6 +37,7 @@ class RunSummary:
     e2e_ms: Latency
     steady_tok_s: float | None = None  # tokens/s while all `concurrency` were in flight, the fill left out
     steady_s: float | None = None  # how long that window was
+    client_cores: float | None = None  # CPU seconds of the client processes over the run's wall time, if known
 
 
 def steady_window(load: LoadResult) -> tuple[float, float] | None:
@@ -97,4 +98,5 @@ def summarize(load: LoadResult) -> RunSummary:
         ttft_ms=latency_ms([r.ttft_s for r in ok if r.ttft_s is not None]),
         tpot_ms=latency_ms([t for r in ok if (t := r.tpot_s) is not None]),
         itl_ms=latency_ms([g for r in ok for g in r.gaps_s]),
-        e2e_ms=latency_ms([r.e2e_s for r in ok]), steady_tok_s=steady, steady_s=steady_s)
+        e2e_ms=latency_ms([r.e2e_s for r in ok]), steady_tok_s=steady, steady_s=steady_s,
+        client_cores=round(load.client_cpu_s / duration, 2) if load.client_cpu_s is not None and duration > 0 else None)

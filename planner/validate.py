@@ -3,9 +3,10 @@ measure total throughput and latency for each count, keep the best, and write th
 
 Each count runs as `deploy up --plan <the plan cut to k replicas>` in its own process group (deploy starts the
 replicas one after another, then the gateway) and is measured once the gateway's `/ready` answers. The load is
-k x B* requests in flight, so every replica can fill its batch cap. The best count is the smallest whose
-throughput is within `min_gain` of the highest: more replicas that add less than that are not worth their
-memory (the papers: +35% for two replicas of OPT-1.3B, nothing more for four).
+k x B* requests in flight, so every replica can fill its batch cap, sent by one client process per replica
+(`--clients`: one Python process streaming them all can be the limit on a fast GPU; planner/multiclient.py).
+The best count is the smallest whose throughput is within `min_gain` of the highest: more replicas that add
+less than that are not worth their memory (the papers: +35% for two replicas of OPT-1.3B, nothing more for four).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from deploy.plan import Plan, dump
 from deploy.process import ManagedProcess, ProcessError
 from planner.client import Timeouts, run_load, served_model
 from planner.errors import PlannerError, RunError
+from planner.multiclient import run_load_processes
 from planner.stats import RunSummary, summarize
 from planner.workload import WorkloadSource
 
@@ -70,6 +72,7 @@ class ValidateConfig:
     min_gain: float = 0.05
     warmup_requests: int = 2
     timeouts: Timeouts = field(default_factory=Timeouts)
+    clients: int = 0  # client processes per count; 0: one per replica (planner/multiclient.py says why)
 
     def __post_init__(self) -> None:
         if not self.counts or min(self.counts) < 1:
@@ -78,6 +81,12 @@ class ValidateConfig:
             raise PlannerError(f"--min-gain must be in [0, 1), got {self.min_gain!r}")
         if self.num_requests is not None and self.num_requests < 1:
             raise PlannerError(f"--num-requests must be >= 1, got {self.num_requests}")
+        if self.clients < 0:
+            raise PlannerError(f"--clients must be >= 0 (0: one client process per replica), got {self.clients}")
+
+    def processes(self, replicas: int) -> int:
+        """Client processes that drive a count of `replicas`."""
+        return self.clients or replicas
 
 
 @dataclass(frozen=True)
@@ -94,31 +103,46 @@ class CountResult:
 
 def best_count(results: list[CountResult], min_gain: float) -> CountResult:
     """The smallest count whose total tokens/s is within `min_gain` of the highest (pure)."""
-    top = max(r.summary.total_tok_s for r in results)
-    return min((r for r in results if r.summary.total_tok_s >= (1 - min_gain) * top), key=lambda r: r.replicas)
+    best = best_of(rates_of(results), min_gain)
+    return next(r for r in results if r.replicas == best)
 
 
 def explain_best(results: list[CountResult], best: CountResult, min_gain: float) -> str:
     """Why `best` was kept, in a sentence (pure); says so plainly when replication does not pay."""
-    ordered = sorted(results, key=lambda r: r.replicas)
-    fewest, top = ordered[0], max(ordered, key=lambda r: r.summary.total_tok_s)
-    base = fewest.summary.total_tok_s
+    return explain(rates_of(results), best.replicas, min_gain)
 
-    def gain(r: CountResult) -> str:
-        return f"{r.summary.total_tok_s / base - 1:+.1%}" if base else "n/a"
+
+def rates_of(results: list[CountResult]) -> dict[int, float]:
+    return {r.replicas: r.summary.total_tok_s for r in results}
+
+
+def best_of(rates: dict[int, float], min_gain: float) -> int:
+    """Of replica count -> total tokens/s, the smallest count within `min_gain` of the highest (pure)."""
+    top = max(rates.values())
+    return min(k for k, tok_s in rates.items() if tok_s >= (1 - min_gain) * top)
+
+
+def explain(rates: dict[int, float], best: int, min_gain: float) -> str:
+    """Why count `best` was kept of replica count -> total tokens/s, in a sentence (pure)."""
+    ordered = sorted(rates)
+    fewest, top = ordered[0], max(ordered, key=lambda k: rates[k])
+    base = rates[fewest]
+
+    def gain(k: int) -> str:
+        return f"{rates[k] / base - 1:+.1%}" if base else "n/a"
 
     if len(ordered) == 1:
-        return f"keep {best.replicas} replica(s): the only count measured ({base:.0f} tokens/s)"
-    if best is fewest:
-        others = ", ".join(f"{r.replicas} replicas {gain(r)}" for r in ordered[1:])
-        return (f"keep {best.replicas} replica(s): replication does not pay here. Over {fewest.replicas} "
+        return f"keep {best} replica(s): the only count measured ({base:.0f} tokens/s)"
+    if best == fewest:
+        others = ", ".join(f"{k} replicas {gain(k)}" for k in ordered[1:])
+        return (f"keep {best} replica(s): replication does not pay here. Over {fewest} "
                 f"({base:.0f} tokens/s), {others}: less than the {min_gain:.0%} it takes to be worth another "
                 "replica's memory")
-    if best is top:
-        return (f"keep {best.replicas} replicas: the highest throughput, {best.summary.total_tok_s:.0f} tokens/s, "
-                f"{gain(best)} over {fewest.replicas}")
-    return (f"keep {best.replicas} replicas ({gain(best)} over {fewest.replicas}): {top.replicas} gave "
-            f"{top.summary.total_tok_s:.0f} tokens/s, within {min_gain:.0%} of it, not worth the extra memory")
+    if best == top:
+        return (f"keep {best} replicas: the highest throughput, {rates[best]:.0f} tokens/s, "
+                f"{gain(best)} over {fewest}")
+    return (f"keep {best} replicas ({gain(best)} over {fewest}): {top} gave "
+            f"{rates[top]:.0f} tokens/s, within {min_gain:.0%} of it, not worth the extra memory")
 
 
 def sub_plan(plan: Plan, count: int) -> Plan:
@@ -153,6 +177,7 @@ class Validator:
         validation = {
             "rule": f"keep the smallest replica count within {self.config.min_gain:.0%} of the highest total "
                     "tokens/s, measured through the gateway with k x B* requests in flight",
+            "client_processes": {r.replicas: self.config.processes(r.replicas) for r in results},
             "best_replicas": best.replicas, "planned_replicas": len(self.plan.replicas),
             "decision": explain_best(results, best, self.config.min_gain),
             "workload": asdict(self.workload.describe()), "counts": table}
@@ -165,7 +190,7 @@ class Validator:
         self.out(f"{count} replica(s): deploying, then {n} requests, {concurrency} at a time through the gateway")
         try:
             with self.deployer.deploy(sub_plan(self.plan, count), f"replicas-{count}") as url:
-                summary = asyncio.run(self._drive(url, n, concurrency))
+                summary = self._drive(url, n, concurrency, self.config.processes(count))
         except ProcessError as exc:
             raise RunError(f"{count} replica(s): the deployment failed: {exc}") from exc
         if summary.failed_requests == summary.num_requests:
@@ -174,11 +199,18 @@ class Validator:
                  f"{summary.ttft_ms.p99} ms, p99 TPOT {summary.tpot_ms.p99} ms, {summary.failed_requests} failed")
         return CountResult(count, concurrency, summary)
 
-    async def _drive(self, url: str, n: int, concurrency: int) -> RunSummary:
+    def _drive(self, url: str, n: int, concurrency: int, processes: int) -> RunSummary:
+        """Warm up from this process, then the measured requests from `processes` client processes: never from
+        this one, so that every count is driven alike, whatever else this process runs (a GPU sampler)."""
+        model = asyncio.run(self._warm_up(url, concurrency))
+        requests = self.workload.requests(n, concurrency * 10**6)
+        return summarize(run_load_processes(url, model, requests, concurrency, self.config.timeouts, processes))
+
+    async def _warm_up(self, url: str, concurrency: int) -> str:
+        """The served model's name, after the warm-up requests."""
         async with aiohttp.ClientSession() as session:
             model = await served_model(session, url)
             if self.config.warmup_requests:
                 warm = self.workload.requests(self.config.warmup_requests, 10**9)
                 await run_load(session, url, model, warm, concurrency, self.config.timeouts)
-            requests = self.workload.requests(n, concurrency * 10**6)
-            return summarize(await run_load(session, url, model, requests, concurrency, self.config.timeouts))
+            return model

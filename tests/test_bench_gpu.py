@@ -110,16 +110,21 @@ def stored(tmp_path: Path) -> tuple[Settings, Store]:
     return s, store
 
 
-def test_decision_keeps_one_replica_when_replication_does_not_pay(stored: tuple[Settings, Store]) -> None:
-    """Without MPS, +2.7% keeps one replica, and says why; with MPS, +27% keeps two."""
+def test_decision_reads_one_client_per_replica_where_every_count_has_it(stored: tuple[Settings, Store]) -> None:
+    """Driven by one client process per replica (+40%), two replicas are kept, as `planner validate` now drives
+    them; where only the one-client counts exist, +2.7% keeps one replica and says why, and +27% keeps two."""
     s, store = stored
     ctx = Context(s, store, Hardware(gpus=(), cpus=(0,)), None, log=lambda line: None)
-    decide(ctx, "replicas")
-    decide(ctx, "mps")
-    plain, mps = store.get("replicas", "decision"), store.get("mps", "decision")
-    assert plain is not None and plain["best_replicas"] == 1
-    assert plain["decision"].startswith("keep 1 replica(s): replication does not pay here")
-    assert mps is not None and mps["best_replicas"] == 2
+    for k, tok in ((1, 11000.0), (2, 11300.0)):
+        store.put("solo", f"k{k}", {**CountResult(k, 256 * k, summary(tok)).to_dict()})
+    for step in ("replicas", "mps", "solo"):
+        decide(ctx, step)
+    plain, mps, solo = (store.get(step, "decision") for step in ("replicas", "mps", "solo"))
+    assert plain is not None and plain["best_replicas"] == 2 and plain["driven_by"] == "one client per replica"
+    assert plain["decision"] == "keep 2 replicas: the highest throughput, 18200 tokens/s, +40.0% over 1"
+    assert solo is not None and solo["best_replicas"] == 1 and solo["driven_by"] == "one client"
+    assert solo["decision"].startswith("keep 1 replica(s): replication does not pay here. Over 1 (11000 tokens/s)")
+    assert mps is not None and mps["best_replicas"] == 2 and mps["driven_by"] == "one client"
 
 
 def test_report_sets_the_measurements_beside_the_papers_and_the_simulator(stored: tuple[Settings, Store]) -> None:
@@ -135,7 +140,7 @@ def test_report_sets_the_measurements_beside_the_papers_and_the_simulator(stored
     assert "| 2 | gateway, 1 client | - | 1.98 | 1.20 | 1.10 |" in text
     assert "| 2 | gateway, k clients | 1.50 | 1.20 | 1.90 | 1.60 |" in text
     assert "| 1 | straight, k clients | - | - | 0.97 | 0.80 |" in text
-    assert "replication does not pay here" in text
+    assert "- without MPS: keep 2 replicas: the highest throughput, 18200 tokens/s" in text  # the k clients' counts
     assert "| least_outstanding_tokens | 2 | 1.2 | 33.60 | 10,800 |" in text
     assert "- gpu: NVIDIA H100 80GB HBM3" in text and "| frontier | 1 |" in text
     results = json.loads((s.out / "results.json").read_text())

@@ -112,6 +112,7 @@ def test_validate_measures_each_count_and_keeps_the_best(tmp_path: Path) -> None
     rows = validated.validation["counts"]
     assert [row["replicas"] for row in rows] == [1, 2] and rows[0]["gain_vs_fewest"] == 0.0
     assert validated.validation["workload"]["input_tokens"] == 8
+    assert validated.validation["client_processes"] == {1: 1, 2: 2}  # one client process per replica
     assert validated.reasoning == full.reasoning
 
 

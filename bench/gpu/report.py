@@ -182,17 +182,21 @@ def counts_section(store: Store, sims: dict[int, float]) -> tuple[str, dict[str,
 
 def cpu_section(store: Store) -> str | None:
     """CPU cores each kind of process used during each count, for each way it was driven (None: not recorded, as
-    in runs before it was). The client is the benchmark's own process for `planner validate`'s one client."""
+    in runs before it was). For the one client's counts: its own process's cores where recorded (`client_cores`),
+    else the benchmark's process, where that client ran in runs before 2026-11-27."""
     plain = store.all("replicas")
     ways = (("k{}", "gateway, 1 client", "bench_process"), ("gateway-k{}", "gateway, k clients", "clients"),
             ("direct-k{}", "straight, k clients", "clients"))
     rows = []
     for k in sorted(int(n[1:]) for n in plain if re.fullmatch(r"k\d+", n)):
         for name, driven, client in ways:
-            cpu = (plain.get(name.format(k)) or {}).get("cpu_cores") or {}
+            point = plain.get(name.format(k)) or {}
+            cpu = point.get("cpu_cores") or {}
             if not cpu:
                 continue
-            cells = [cpu.get(client), cpu.get("gateway"), cpu.get("api_servers"), cpu.get("engines")]
+            mine = point.get("client_cores") if client == "bench_process" else None
+            cells = [cpu.get(client) if mine is None else mine, cpu.get("gateway"), cpu.get("api_servers"),
+                     cpu.get("engines")]
             rows.append([k, driven, *("-" if c is None else f"{c:.2f}" for c in cells)])
     if not rows:
         return None
@@ -403,9 +407,10 @@ def write(settings: Settings, store: Store) -> Path:
              "## Plan", "", f"{plan_facts.get('summary', '-')}", "",
              f"Measured: {plan_facts.get('measured_replicas', '-')} replica(s): {plan_facts.get('why', '-')}.", "",
              "## Fig. 5: replicas at B*, with and without MPS", "",
-             f"k of the replicas at B* = {b_star} each, driven three ways: through the gateway by `planner "
-             "validate`'s one client process (k x B* in flight; its rule makes the decision below), through the "
-             "gateway by k client processes at B* each, and straight, one client process per replica. The last "
+             f"k of the replicas at B* = {b_star} each, driven three ways: through the gateway by one client "
+             "process (k x B* in flight, `planner validate --clients 1`), through the gateway by k client "
+             "processes at B* each (as `planner validate` now drives a count; its rule makes the decision below "
+             "from these where every count has them), and straight, one client process per replica. The last "
              "two use the same clients, so their gap is the gateway's cost. Tokens/s over the steady part of each "
              "run (all requests in flight, the fill and the drain left out) where it was recorded. Paper: two "
              "replicas of OPT-1.3B at batch 256 gave +35% tokens/s over one instance (H100 64 GB, vLLM 0.5.2).", "",

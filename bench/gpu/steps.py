@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import re
 import resource
 import shutil
 import subprocess
@@ -39,12 +40,11 @@ from planner.client import Timeouts
 from planner.errors import MemoryPlanError
 from planner.gpu import GpuSampler
 from planner.planning import PlanConfig, make_plan, split_vllm_args, write_plan
-from planner.points import Latency, ProfileContext, ProfilePoint
+from planner.points import ProfileContext, ProfilePoint
 from planner.profiler import ProfileConfig, Profiler
 from planner.servers import RunningServer
 from planner.sources import load_profile, point_path, read_point
-from planner.stats import RunSummary
-from planner.validate import CountResult, ValidateConfig, Validator, best_count, explain_best, sub_plan
+from planner.validate import ValidateConfig, Validator, best_of, explain, sub_plan
 from planner.workload import FixedLengths, WorkloadSource, prompt_builder
 
 logger = logging.getLogger(__name__)
@@ -286,7 +286,7 @@ def replica_counts(ctx: Context, mps: bool) -> None:
             n_requests = s.requests_for(k * b_star, (one.req_s or 0) * k or None)
             validator = Validator(resolved, ValidateConfig(counts=(k,), num_requests=n_requests, min_gain=s.min_gain,
                                                            warmup_requests=s.warmup_requests,
-                                                           timeouts=ctx.timeouts()),
+                                                           timeouts=ctx.timeouts(), clients=1),
                                   deployer, workload, out=ctx.log)
             result = validator.measure(k)
             ctx.store.put(step, f"k{k}", {**result.to_dict(), "mps": running.mps, "b_star": b_star,
@@ -423,22 +423,18 @@ def _end(proc: subprocess.Popen[bytes]) -> None:
     proc.wait()
 
 
-def count_result(data: dict[str, Any]) -> CountResult:
-    """A stored count back as `planner validate`'s value."""
-    fields: dict[str, Any] = {k: (Latency(**v) if k.endswith("_ms") and isinstance(v, dict) else v) for k, v in data.items()
-              if k in RunSummary.__dataclass_fields__}
-    return CountResult(int(data["replicas"]), int(data["concurrency"]), RunSummary(**fields))
-
-
 def decide(ctx: Context, step: str) -> None:
     """`planner validate`'s rule over the counts measured: the count to keep, and why (one replica if
-    replication does not pay)."""
-    stored = {k: v for k, v in ctx.store.all(step).items() if k.startswith("k")}
-    if not stored:
+    replication does not pay). It reads the counts driven by one client process per replica ("k clients"),
+    as `planner validate` now drives them, where every count has one; else the one-client counts."""
+    stored = ctx.store.all(step)
+    ks = sorted(int(name[1:]) for name in stored if re.fullmatch(r"k\d+", name))
+    if not ks:
         return
-    results = sorted((count_result(v) for v in stored.values()), key=lambda r: r.replicas)
-    best = best_count(results, ctx.settings.min_gain)
-    decision = explain_best(results, best, ctx.settings.min_gain)
-    ctx.store.put(step, "decision", {"best_replicas": best.replicas, "decision": decision,
-                                     "min_gain": ctx.settings.min_gain})
+    by_clients = all(f"gateway-k{k}" in stored for k in ks)
+    rates = {k: float(stored[f"gateway-k{k}" if by_clients else f"k{k}"]["total_tok_s"]) for k in ks}
+    best = best_of(rates, ctx.settings.min_gain)
+    decision = explain(rates, best, ctx.settings.min_gain)
+    ctx.store.put(step, "decision", {"best_replicas": best, "decision": decision, "min_gain": ctx.settings.min_gain,
+                                     "driven_by": "one client per replica" if by_clients else "one client"})
     ctx.log(f"{step}: {decision}")
