@@ -75,6 +75,8 @@ from .sim_vs_real_inflight import inflight_lines
 from .sim_vs_real_ranking import point_of, ranking_lines, verdict_lines
 from .sim_vs_real_rounds import models_lines, rounds_lines
 from .sim_vs_real_steps import decoding_context, run_scale, steps_lines, warmup_scale
+from .sim_vs_real_ttft import COUNTERS as TTFT_COUNTERS
+from .sim_vs_real_ttft import ttft_lines, ttft_parts
 
 POLICIES = ("prefix_affinity", "least_outstanding_tokens", "least_requests", "round_robin")
 CHAT_POLICIES = ("prefix_affinity", "consistent_hash", "least_outstanding_tokens", "round_robin")
@@ -163,7 +165,7 @@ def process(argv: Sequence[str], log: Path, ready: str, timeout_s: float) -> Ite
 
 COUNTERS = ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total",
             "vllm:iteration_tokens_total_count", "vllm:iteration_tokens_total_sum",
-            "vllm:generation_tokens_total", "vllm:prompt_tokens_total")
+            "vllm:generation_tokens_total", "vllm:prompt_tokens_total", *TTFT_COUNTERS)
 
 
 def engine_steps(before: dict[str, float], after: dict[str, float], records: Sequence[dict[str, Any]]
@@ -176,7 +178,7 @@ def engine_steps(before: dict[str, float], after: dict[str, float], records: Seq
     span = (max(r["end_s"] for r in records) - min(r["sent_s"] for r in records)) if records else math.nan
     return {"steps": delta("vllm:iteration_tokens_total_count"), "tokens": delta("vllm:iteration_tokens_total_sum"),
             "generated": delta("vllm:generation_tokens_total"), "prompt": delta("vllm:prompt_tokens_total"),
-            "span_s": span}
+            "span_s": span, "ttft_parts": ttft_parts(before, after)}
 
 
 def loadtest(args: Sequence[str], out: Path, timeout_s: float) -> dict[str, Any]:
@@ -651,6 +653,7 @@ def report(out: Path, meta: dict[str, Any]) -> str:
                 lines += versus(table_held["real"], table_held[name], name, " (seeds after the first)")
         lines += steps_lines(held, int(meta.get("replicas", 2)), MATCHED, meta.get("replica_model_together"),
                              scaled=True)
+    lines += ttft_lines(rows, ["real", *(n for n in (*CALIBRATIONS.values(), FOLLOWED, PAIRED, MATCHED) if n in table)])
     lines += ["## The default on real replicas (p99 TTFT, ms, pooled over seeds)", ""]
     judged = []
     for point, by in real.items():

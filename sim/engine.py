@@ -79,7 +79,8 @@ class SimRequest:
 
     __slots__ = ("rid", "prompt_tokens", "max_tokens", "arrival", "state", "generated", "start", "c0", "epoch",
                  "prefilled", "target", "first_token_at", "finished_at", "preemptions", "error",
-                 "on_first_token", "on_token", "on_finish", "tag", "blocks", "refs", "cached_tokens")
+                 "on_first_token", "on_token", "on_finish", "tag", "blocks", "refs", "cached_tokens",
+                 "scheduled_at")
 
     _ids = itertools.count()
 
@@ -101,6 +102,7 @@ class SimRequest:
         self.prefilled = 0
         self.target = 0  # tokens its (re)prefill must compute: prompt plus output so far
         self.first_token_at: float | None = None
+        self.scheduled_at: float | None = None  # first taken into a batch (vLLM's scheduled_ts; preemptions aside)
         self.finished_at: float | None = None
         self.preemptions = 0
         self.error: str | None = None
@@ -154,6 +156,10 @@ class Engine:
         self.max_blocks_used = 0
         self.prefix_cache_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_cache_hits = 0  # of which found
+        # vLLM's request_queue_time / request_prefill_time histograms (sum, count), taken when a request finishes:
+        # arrival at the engine -> first scheduled, first scheduled -> first token
+        self.queue_time = [0.0, 0]
+        self.prefill_time = [0.0, 0]
 
     # -- the outside --------------------------------------------------------------------------------------
     def add(self, req: SimRequest) -> None:
@@ -315,6 +321,8 @@ class Engine:
                 self._take_hits(req, hits, target)
             self._allocate(need - revived)
             req.state, req.prefilled, req.target = PREFILL, cached, target
+            if req.scheduled_at is None:
+                req.scheduled_at = self.clock.now()
             self.running[req.rid] = req
             if not whole:
                 self.prefilling.append(req)
@@ -507,6 +515,11 @@ class Engine:
         req.finished_at = self.clock.now() if now is None else now
         if state == FINISHED:
             self.finished_total += 1
+            if req.scheduled_at is not None and req.first_token_at is not None:
+                self.queue_time[0] += req.scheduled_at - req.arrival
+                self.queue_time[1] += 1
+                self.prefill_time[0] += req.first_token_at - req.scheduled_at
+                self.prefill_time[1] += 1
             if first_token and req.on_first_token is not None:
                 req.on_first_token(req)
             if req.on_token is not None and first_token:

@@ -81,6 +81,7 @@ class ReplicaState:
     frontend: FrontEnd | None = None  # the API server's queue before the engine sees a request
     eos_mu: float = math.log(REFERENCE_OUTPUT_MEAN) - _EOS_SIGMA**2 / 2
     requests_total: dict[str, int] = field(default_factory=dict)
+    ttft: list[float] = field(default_factory=lambda: [0.0, 0.0])  # vLLM's time_to_first_token histogram (sum, count)
 
     def natural_length(self) -> int:
         """Where a request that does not ignore EOS would stop (lognormal, ShareGPT-like mean)."""
@@ -228,6 +229,7 @@ def _error(status: int, message: str, param: str | None = None) -> web.Response:
 
 async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
     state = request.app[STATE]
+    arrived = asyncio.get_running_loop().time()  # vLLM's arrival_time: the API server has the request
     try:
         body = await request.json()
     except (json.JSONDecodeError, UnicodeDecodeError):
@@ -262,6 +264,9 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
         for choice in choices:
             if not choice.done:
                 state.engine.abort(choice.req)
+            if choice.req.first_token_at is not None:  # from the API server's arrival to the engine's first token
+                state.ttft[0] += choice.req.first_token_at - arrived
+                state.ttft[1] += 1
 
 
 def _submit(state: ReplicaState, parsed: Parsed) -> list[_Choice]:
@@ -446,6 +451,16 @@ def render_metrics(state: ReplicaState) -> str:
             f'vllm:iteration_tokens_total_bucket{{{label},le="+Inf"}} {float(e.steps_total)}',
             f"vllm:iteration_tokens_total_count{{{label}}} {float(e.steps_total)}",
             f"vllm:iteration_tokens_total_sum{{{label}}} {float(e.iteration_tokens_total)}"]
+    # vLLM's request-timing histograms, as sum and count: where time to first token goes
+    for name, help_, (total, count) in (
+            ("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", state.ttft),
+            ("vllm:request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.",
+             e.queue_time),
+            ("vllm:request_prefill_time_seconds", "Histogram of time spent in PREFILL phase for request.",
+             e.prefill_time)):
+        out += [f"# HELP {name} {help_}", f"# TYPE {name} histogram",
+                f'{name}_bucket{{{label},le="+Inf"}} {float(count)}', f"{name}_count{{{label}}} {float(count)}",
+                f"{name}_sum{{{label}}} {float(total)}"]
     out += ["# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig",
             "# TYPE vllm:cache_config_info gauge", f"vllm:cache_config_info{{{info}}} 1.0"]
     return "\n".join(out) + "\n"

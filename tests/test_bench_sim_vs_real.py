@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -322,3 +323,24 @@ def test_the_paired_side_runs_each_run_at_its_real_twins_own_step_speed(
     assert f"## `{PAIRED}`: each run at its real twin's own step speed" in text
     assert "1.20-1.20 x, median 1.20" in text
     assert f"`{PAIRED}`: median absolute error over all rows: ttft_p50 5%" in text
+
+
+def test_ttft_splits_into_the_gateway_the_api_server_the_queue_and_prefill() -> None:
+    """vLLM's request timings over a run (sum and count deltas) give each part's mean; the client's TTFT less the
+    API server's is what lies outside the replica. A run without the histograms is left out."""
+    from bench.sim_vs_real_ttft import COUNTERS, split, ttft_lines, ttft_parts
+
+    before = dict.fromkeys(COUNTERS, 0.0)
+    after = {**before, "vllm:time_to_first_token_seconds_sum": 0.12, "vllm:time_to_first_token_seconds_count": 4,
+             "vllm:request_queue_time_seconds_sum": 0.04, "vllm:request_queue_time_seconds_count": 4,
+             "vllm:request_prefill_time_seconds_sum": 0.06, "vllm:request_prefill_time_seconds_count": 4}
+    parts = ttft_parts(before, after)
+    assert parts == pytest.approx({"engine_ttft_s": 0.03, "queue_s": 0.01, "prefill_s": 0.015})
+    assert math.isnan(ttft_parts(before, before)["queue_s"])
+    row = {"side": "real", "workload": "mix", "arrival": "poisson", "load": 0.95, "seed": 0, "policy": "round_robin",
+           "ttft_s": [0.03, 0.05], "engine": {"ttft_parts": parts}}
+    assert split(row) == pytest.approx((40.0, 10.0, 5.0, 10.0, 15.0))
+    assert split({**row, "engine": {}}) is None
+    text = "\n".join(ttft_lines([row, {**row, "side": "sim-paired", "ttft_s": [0.035]}], ["real", "sim-paired"]))
+    assert "| mix/poisson/0.95 | real | 1 | 40.0 | 10.0 | 5.0 | 10.0 | 15.0 |" in text
+    assert "| mix/poisson/0.95 | sim-paired | 1 | 35.0 | 5.0 | 5.0 | 10.0 | 15.0 |" in text

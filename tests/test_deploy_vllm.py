@@ -334,6 +334,14 @@ def test_the_simulator_against_these_replicas_quick(deployment: Deployment, tmp_
                and 0.001 < r["engine"]["span_s"] * 2 / r["engine"]["steps"] < 1 for r in rows), \
         [(r["side"], r["policy"], r["engine"]) for r in rows]
     assert "The engines' own steps (`sim-together`)" in (out / "report.md").read_text()
+    # where TTFT goes, from vLLM's own request timings and sim serve's: queue and prefill within the API server's
+    # TTFT, and that within the client's (through the gateway)
+    for r in rows:
+        parts = r["engine"]["ttft_parts"]
+        assert 0 <= parts["queue_s"] and 0 < parts["prefill_s"], (r["side"], parts)
+        assert parts["queue_s"] + parts["prefill_s"] <= parts["engine_ttft_s"] * 1.001 + 1e-4, (r["side"], parts)
+        assert parts["engine_ttft_s"] < sum(r["ttft_s"]) / len(r["ttft_s"]), (r["side"], parts)
+    assert "## Where time to first token goes" in (out / "report.md").read_text()
     # --follow-speed: the engines' speed read after the calibration and before each real run (vLLM's counters);
     # the simulated twin of each real run ran at the ratio of the two
     reference = json.loads((out / "meta.json").read_text())["speed_ref"]["ms_a_step"]

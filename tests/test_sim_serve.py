@@ -153,6 +153,26 @@ async def test_replicas_share_one_gpu(sim_replicas: SimFactory) -> None:
     assert samples["vllm:iteration_tokens_total_sum"] == 5
 
 
+async def test_time_to_first_token_is_split_as_vllm_splits_it(sim_replicas: SimFactory) -> None:
+    """vLLM's time_to_first_token, request_queue_time and request_prefill_time histograms (sum and count): three
+    requests at once on a replica that runs one at a time, so two of them queue; each TTFT is its queue plus its
+    prefill (no front end here)."""
+    node, (url,) = await sim_replicas(max_num_seqs=1)
+    async with aiohttp.ClientSession() as session:
+        async def one() -> None:
+            body = {"model": NAME, "prompt": "hello there", "max_tokens": 4, "ignore_eos": True}
+            async with session.post(url + "/v1/completions", json=body) as resp:
+                assert resp.status == 200
+        await asyncio.gather(one(), one(), one())
+        async with session.get(url + "/metrics") as resp:
+            samples = {s.name: s.value for f in text_string_to_metric_families(await resp.text()) for s in f.samples}
+    names = ("vllm:time_to_first_token_seconds", "vllm:request_queue_time_seconds", "vllm:request_prefill_time_seconds")
+    assert [samples[f"{n}_count"] for n in names] == [3, 3, 3]
+    ttft, queue, prefill = (samples[f"{n}_sum"] for n in names)
+    assert prefill > 0 and queue > prefill  # the second waited one request, the third two: 3 whole requests
+    assert ttft == pytest.approx(queue + prefill, abs=1e-3)
+
+
 async def test_through_the_gateway(sim_replicas: SimFactory, gateway_for: GatewayFactory) -> None:
     """The real gateway routes streaming requests over simulated replicas, using both."""
     _, urls = await sim_replicas(replicas=2)

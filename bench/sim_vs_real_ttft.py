@@ -1,0 +1,71 @@
+"""Where time to first token goes, on both sides of `bench.sim_vs_real`.
+
+vLLM times each request's way to its first token (`vllm/v1/metrics/stats.py`): `vllm:request_queue_time_seconds`
+from the engine core queueing it to first scheduling it, `vllm:request_prefill_time_seconds` from then to its
+first token, and `vllm:time_to_first_token_seconds` from the API server's arrival time to the first token's
+output. `sim serve` exports the same three. Their sums and counts over a run give each part's mean; with the
+client's own TTFT (through the gateway), a run's mean TTFT splits into:
+
+- outside the replica: the client's TTFT less the API server's (HTTP, the gateway, the SSE stream back);
+- in the API server before the engine: its TTFT less queue and prefill (tokenizing, handing over);
+- waiting in the engine's queue;
+- prefill, to the first token.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from .common import markdown_table
+from .sim_vs_real_ranking import point_of
+
+HISTOGRAMS = {"engine_ttft_s": "vllm:time_to_first_token_seconds", "queue_s": "vllm:request_queue_time_seconds",
+              "prefill_s": "vllm:request_prefill_time_seconds"}
+COUNTERS = tuple(f"{name}_{part}" for name in HISTOGRAMS.values() for part in ("sum", "count"))
+
+
+def ttft_parts(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Each histogram's mean over the run (NaN where it counted nothing: a replica without the metric)."""
+    parts = {}
+    for key, name in HISTOGRAMS.items():
+        count = after[f"{name}_count"] - before[f"{name}_count"]
+        parts[key] = (after[f"{name}_sum"] - before[f"{name}_sum"]) / count if count > 0 else math.nan
+    return parts
+
+
+def split(row: dict[str, Any]) -> tuple[float, float, float, float, float] | None:
+    """A run's mean TTFT and its four parts in ms (outside the replica, API server before the engine, queue,
+    prefill), or None for a run without the histograms."""
+    parts = (row.get("engine") or {}).get("ttft_parts")
+    if not parts or not row["ttft_s"] or not all(math.isfinite(parts[k]) for k in HISTOGRAMS):
+        return None
+    client = float(np.mean(row["ttft_s"]))
+    engine, queue, prefill = parts["engine_ttft_s"], parts["queue_s"], parts["prefill_s"]
+    return tuple(1e3 * v for v in (client, client - engine, engine - queue - prefill, queue, prefill))  # type: ignore[return-value]
+
+
+def ttft_lines(rows: Sequence[dict[str, Any]], sides: Sequence[str]) -> list[str]:
+    """The report's section: per point and side, medians over runs of the mean TTFT and its parts."""
+    cells: dict[tuple[str, str], list[tuple[float, ...]]] = {}
+    for r in rows:
+        figures = split(r) if r["side"] in sides and r["workload"] != "chat" else None
+        if figures:
+            cells.setdefault((point_of(r), r["side"]), []).append(figures)
+    if not cells:
+        return []
+    body = []
+    for point, side in sorted(cells, key=lambda k: (k[0], list(sides).index(k[1]))):
+        runs = cells[(point, side)]
+        medians = [float(np.median(v)) for v in zip(*runs)]
+        body.append([point, side, len(runs), *(f"{m:.1f}" for m in medians)])
+    return ["## Where time to first token goes", "",
+            "Mean TTFT per run in ms, split by vLLM's own request timings (`vllm:time_to_first_token_seconds`, "
+            "`request_queue_time_seconds`, `request_prefill_time_seconds`; `sim serve` exports the same); medians "
+            "over the runs of a point. Outside the replica: the client's TTFT less the API server's (the gateway, "
+            "HTTP, the stream back). API server: its TTFT less queue and prefill (tokenizing, handing over).", "",
+            markdown_table(["point", "side", "runs", "TTFT", "outside the replica", "API server", "queue",
+                            "prefill"], body), ""]
