@@ -58,7 +58,7 @@ import sys
 import time
 import urllib.request
 from collections.abc import Iterator, Sequence
-from contextlib import ExitStack, contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -66,9 +66,11 @@ from typing import Any
 import numpy as np
 import yaml
 
+from deploy.process import REPLICA_NICE
 from deploy.tinymodel import ensure_tiny_model
 
 from .common import figure_path, machine_speed, markdown_table, pyplot, save
+from .cpu_twin import cpu_twin
 from .engine_speed import counters, read_sync
 from .sim_vs_real_calibration import MODEL, calibrate, profile_dir, profile_round, profiled, round_models
 from .sim_vs_real_inflight import inflight_lines
@@ -169,9 +171,10 @@ COUNTERS = ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total",
 
 
 def engine_steps(before: dict[str, float], after: dict[str, float], records: Sequence[dict[str, Any]]
-                 ) -> dict[str, float]:
+                 ) -> dict[str, Any]:
     """The engines' own steps over a run, from vLLM's counters: steps, tokens computed, tokens generated, prompt
-    tokens, and the span from the first request sent to the last one ended (the engines' steps fall inside it)."""
+    tokens, and the span from the first request sent to the last one ended (the engines' steps fall inside it);
+    and its mean time to first token split as vLLM times it (`ttft_parts`, bench/sim_vs_real_ttft.py)."""
     def delta(name: str) -> float:
         return after[name] - before[name]
 
@@ -311,6 +314,7 @@ class Setup:
     calibration_rounds: int = 1  # each calibration's profiles taken this many times, spread over the real side
     match_steps: bool = False  # a side MATCHED, run on the seeds after the first (the first is its warm-up)
     pair_steps: bool = False  # a side PAIRED: each run at its real twin's own step speed
+    cpu_twin: bool = False  # simulated sides beside processes that use the CPU the real replicas used
 
     def sides(self) -> tuple[str, ...]:
         """Every side, in the order they run: the real one first (the simulated sides need its runs)."""
@@ -374,6 +378,15 @@ def serve_sim(stack: ExitStack, model: str, replicas: int, port: int, log: Path)
     sim = stack.enter_context(process([python(), "-m", "sim.cli", "serve", "--config", model, "--replicas",
                                        str(replicas), "--port", str(port)], log, urls[-1] + "/health", 60))
     return urls, [sim.pid]
+
+
+def twin_cores(rows: Sequence[dict[str, Any]]) -> float:
+    """The cores the real replicas used together, the median over the real runs (`--cpu-twin` burns as many)."""
+    used = [sum(c for c in r["cpu"]["replicas"] if not math.isnan(c)) for r in rows
+            if r["side"] == "real" and r.get("cpu")]
+    if not used:
+        raise RuntimeError("--cpu-twin: no real run recorded its replicas' CPU to copy")
+    return round(float(np.median(used)), 2)
 
 
 def set_scale(urls: Sequence[str], scale: float) -> None:
@@ -451,7 +464,12 @@ def measure(setup: Setup) -> None:
                                                              meta["replica_model_together"])
                         meta_path.write_text(json.dumps(meta, indent=1))
                     set_scale(urls, meta["matched_scale"])
-            with gateways(out, base, side_name, urls, policies, port, pids) as side:
+            spinning: AbstractContextManager[list[int]] = nullcontext([])
+            if setup.cpu_twin and side_name != "real":
+                meta.setdefault("cpu_twin_cores", twin_cores(list(done_runs(results).values())))
+                meta_path.write_text(json.dumps(meta, indent=1))
+                spinning = cpu_twin(meta["cpu_twin_cores"], REPLICA_NICE)
+            with spinning as burning, gateways(out, base, side_name, urls, policies, port, [*pids, *burning]) as side:
                 for workload in setup.workloads:
                     key = f"capacity_{side_name}_{workload}"
                     if key not in meta:
@@ -619,6 +637,11 @@ def report(out: Path, meta: dict[str, Any]) -> str:
                 lines += models_lines(rows, int(meta["replicas"]), meta[key.replace("calibration", "replica_model")],
                                       round_models(out, meta, suffix))
     lines += repeatability(rows)
+    if "cpu_twin_cores" in meta:
+        lines += [f"`--cpu-twin`: every simulated side ran beside processes spinning {meta['cpu_twin_cores']:.2f} "
+                  f"cores (the real replicas' median over the real runs), {REPLICA_NICE} steps below normal "
+                  "priority as the replicas are (bench/cpu_twin.py); the CPU table counts them with the simulated "
+                  "replicas.", ""]
     if "speed_ref" in meta:
         scales = [r["scale"] for r in rows if "scale" in r]
         lines += [f"Engine speed (`bench.engine_speed`, B = 4, 256 + 64 tokens): {meta['speed_ref']['ms_a_step']:.2f} "
@@ -770,6 +793,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--pair-steps", action="store_true", help="add a side sim-paired: the together "
                         "calibration, each run's steps scaled to its own real twin's (an oracle for the machine's "
                         "speed, a test of everything else)")
+    parser.add_argument("--cpu-twin", action="store_true", help="run every simulated side beside processes that "
+                        "spin for as many cores as the real replicas used (their median over the real runs), at "
+                        "the replicas' priority: the machine shared alike on both sides (bench/cpu_twin.py)")
     parser.add_argument("--repeats", type=int, help="run the real side's first run this many more "
                         "times, spread over its series, to measure how repeatable the real side is (3; --quick: 0)")
     parser.add_argument("--report", action="store_true", help="only rebuild the report from OUT/runs.jsonl")
@@ -795,7 +821,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                      "the real side alone)")
     setup = replace(setup, deployment=args.deployment, calibrations=calibrations,
                     repeats=repeats, follow_speed=args.follow_speed, calibration_rounds=args.calibration_rounds,
-                    match_steps=args.match_steps, pair_steps=args.pair_steps)
+                    match_steps=args.match_steps, pair_steps=args.pair_steps, cpu_twin=args.cpu_twin)
     if setup.match_steps and ("together" not in setup.calibrations or setup.seeds < 2):
         parser.error("--match-steps scales the together calibration to the seed-0 runs and is judged on the other "
                      "seeds: it needs together in --calibrations and --seeds 2 or more")

@@ -344,3 +344,25 @@ def test_ttft_splits_into_the_gateway_the_api_server_the_queue_and_prefill() -> 
     text = "\n".join(ttft_lines([row, {**row, "side": "sim-paired", "ttft_s": [0.035]}], ["real", "sim-paired"]))
     assert "| mix/poisson/0.95 | real | 1 | 40.0 | 10.0 | 5.0 | 10.0 | 15.0 |" in text
     assert "| mix/poisson/0.95 | sim-paired | 1 | 35.0 | 5.0 | 5.0 | 10.0 | 15.0 |" in text
+
+
+def test_the_cpu_twin_burns_what_the_real_replicas_used() -> None:
+    """`--cpu-twin` copies the real replicas' median cores (NaN readings left out); a run without them is an
+    error; the burners split the cores into whole processes, and a burner spins for its share of the time."""
+    import time
+
+    from bench.cpu_twin import burn, burners
+    from bench.sim_vs_real import twin_cores
+
+    rows = [{"side": "real", "cpu": {"replicas": [0.7, 0.8]}}, {"side": "real", "cpu": {"replicas": [0.7, math.nan]}},
+            {"side": "real", "cpu": {"replicas": [0.75, 0.75]}}, {"side": "sim-paired", "cpu": {"replicas": [0.1]}}]
+    assert twin_cores(rows) == 1.5
+    with pytest.raises(RuntimeError, match="no real run"):
+        twin_cores(rows[3:])
+    assert burners(1.5) == (2, 0.75) and burners(0.3) == (1, 0.3)
+    with pytest.raises(ValueError, match="cores to burn"):
+        burners(0.0)
+    started, cpu = time.monotonic(), time.process_time()
+    burn(0.5, seconds=0.4)
+    share = (time.process_time() - cpu) / (time.monotonic() - started)
+    assert 0.3 < share < 0.8, share
