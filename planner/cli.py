@@ -251,8 +251,8 @@ def _validate_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
     p.add_argument("--startup-timeout", type=float, default=900.0, help="seconds a replica may take to start")
     p.add_argument("--warmup", type=int, default=2, help="warm-up requests before each count (2)")
     p.add_argument("--clients", type=int, default=0,
-                   help="client processes that send each count's load (default 0: one per replica; 1: this "
-                        "process alone, which can be the limit on a fast GPU)")
+                   help="client processes that send each count's load (default 0: one per replica; 1: one for "
+                        "all, which can be the limit on a fast GPU)")
     p.add_argument("--plots", type=Path, help="draw throughput and latency against replica count here")
     p.add_argument("--duration", type=float, default=60.0,
                    help="multi-model plans: seconds of mixed traffic per arrangement (60)")

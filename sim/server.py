@@ -445,14 +445,11 @@ def render_metrics(state: ReplicaState) -> str:
     for name, kind, help_, value in lines:
         sample = f"{name}_total" if kind == "counter" else name
         out += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}", f"{sample}{{{label}}} {float(value)}"]
-    # vLLM's histogram of tokens per engine step; only its count (steps) and sum (tokens) are kept here.
-    out += ["# HELP vllm:iteration_tokens_total Histogram of number of tokens per engine_step.",
-            "# TYPE vllm:iteration_tokens_total histogram",
-            f'vllm:iteration_tokens_total_bucket{{{label},le="+Inf"}} {float(e.steps_total)}',
-            f"vllm:iteration_tokens_total_count{{{label}}} {float(e.steps_total)}",
-            f"vllm:iteration_tokens_total_sum{{{label}}} {float(e.iteration_tokens_total)}"]
-    # vLLM's request-timing histograms, as sum and count: where time to first token goes
+    # vLLM's histograms, their count and sum only: tokens per engine step (count: steps), and the request
+    # timings that say where time to first token goes
     for name, help_, (total, count) in (
+            ("vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.",
+             (e.iteration_tokens_total, e.steps_total)),
             ("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", state.ttft),
             ("vllm:request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.",
              e.queue_time),

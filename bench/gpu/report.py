@@ -194,8 +194,8 @@ def cpu_section(store: Store) -> str | None:
             cpu = point.get("cpu_cores") or {}
             if not cpu:
                 continue
-            mine = point.get("client_cores") if client == "bench_process" else None
-            cells = [cpu.get(client) if mine is None else mine, cpu.get("gateway"), cpu.get("api_servers"),
+            own = point.get("client_cores")  # recorded by the client processes themselves (one-client counts)
+            cells = [cpu.get(client) if own is None else own, cpu.get("gateway"), cpu.get("api_servers"),
                      cpu.get("engines")]
             rows.append([k, driven, *("-" if c is None else f"{c:.2f}" for c in cells)])
     if not rows:
