@@ -207,7 +207,11 @@ async def test_sigterm_drains_every_worker(fake_replica: FakeFactory, serve: Ser
     gw = await serve([fake.url])
     body = {"model": "fake-model", "prompt": "hi", "max_tokens": 60, "stream": True}
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as session:
+        # The kernel hashes each connection to a worker: 8 all on one is a 1-in-128 coin flip, so open more
+        # (up to 40) until both workers hold a stream.
         responses = [await session.post(gw.url + "/v1/completions", json=body) for _ in range(8)]
+        while len({r.headers["x-gateway-worker"] for r in responses}) < 2 and len(responses) < 40:
+            responses.append(await session.post(gw.url + "/v1/completions", json=body))
         assert len({r.headers["x-gateway-worker"] for r in responses}) == 2
         gw.process.send_signal(signal.SIGTERM)
         for resp in responses:
