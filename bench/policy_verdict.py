@@ -5,7 +5,9 @@ run's own measured capacity): every request of every seed of every run, one p99 
 is tried as the default by the issue's rule (`sim_vs_real_ranking.verdict_lines`): within 10% of the best policy at
 every point and never worse than round robin; if none is, the smallest worst point is named. Last, seed by seed:
 in how many runs the default's p99 was the lower against each other policy (a sign test, which one slow request
-in one seed cannot swing as it swings a pooled p99).
+in one seed cannot swing as it swings a pooled p99). And how sure each pooled ratio is: the default's pooled p99
+over each other policy's, with a 90% interval from resampling the seeds (a seed of one directory is one unit, and
+a resample takes whole units, both policies' runs of that seed together, so the schedule they shared stays paired).
 
     python -m bench.policy_verdict runs/svr-a runs/svr-b
 
@@ -22,6 +24,7 @@ its own TPOT, and so looks a little better in steps than it is.
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -79,6 +82,70 @@ def seed_by_seed(runs: Sequence[Sequence[dict[str, Any]]], default: str = DEFAUL
     return {pt: {p: (c[0], c[1]) for p, c in by.items()} for pt, by in sorted(out.items())}
 
 
+def seed_units(runs: Sequence[Sequence[dict[str, Any]]]) -> dict[str, dict[tuple[int, int], dict[str, np.ndarray]]]:
+    """point -> (directory, seed) -> policy -> that run's TTFTs (s): the units `paired_ratios` resamples."""
+    out: dict[str, dict[tuple[int, int], dict[str, np.ndarray]]] = {}
+    for i, rows in enumerate(runs):
+        for r in rows:
+            out.setdefault(point_of(r), {}).setdefault((i, r["seed"]), {})[r["policy"]] = np.asarray(r["ttft_s"])
+    return out
+
+
+@dataclass(frozen=True)
+class Ratio:
+    """The default's pooled p99 TTFT over another policy's, and the 5th and 95th percentiles of the same over
+    resamples of their shared seeds."""
+
+    ratio: float
+    low: float
+    high: float
+    seeds: int
+
+
+def paired_ratios(runs: Sequence[Sequence[dict[str, Any]]], default: str = DEFAULT, resamples: int = 1000,
+                  seed: int = 0) -> dict[str, dict[str, Ratio]]:
+    """point -> other policy -> the default's pooled p99 over its pooled p99 on the seeds both ran, with a 90%
+    interval from resampling those seeds with replacement (both policies' runs of a drawn seed together)."""
+    rng = np.random.default_rng(seed)
+    out: dict[str, dict[str, Ratio]] = {}
+    for point, units in sorted(seed_units(runs).items()):
+        others = sorted({p for by in units.values() for p in by} - {default})
+        for other in others:
+            shared = [(by[default], by[other]) for by in units.values() if default in by and other in by]
+            if len(shared) < 2:
+                continue
+
+            def ratio(picks: Sequence[int]) -> float:
+                mine = np.concatenate([shared[k][0] for k in picks])
+                theirs = np.concatenate([shared[k][1] for k in picks])
+                return float(np.percentile(mine, 99) / np.percentile(theirs, 99))
+            draws = [ratio(rng.integers(0, len(shared), len(shared))) for _ in range(resamples)]
+            low, high = np.percentile(draws, [5, 95])
+            out.setdefault(point, {})[other] = Ratio(ratio(range(len(shared))), float(low), float(high), len(shared))
+    return out
+
+
+def interval_lines(ratios: dict[str, dict[str, Ratio]], default: str = DEFAULT) -> list[str]:
+    """The table of `paired_ratios`, and which of item 3's two conditions the seeds show broken (the interval
+    wholly past the mark: 1.10 x another policy, 1.00 x round robin) and which they cannot tell."""
+    others = sorted({p for by in ratios.values() for p in by})
+    body = [[pt, *(f"{by[p].ratio:.2f} ({by[p].low:.2f}-{by[p].high:.2f}; {by[p].seeds})" if p in by else ""
+                   for p in others)] for pt, by in ratios.items()]
+    marks = {p: 1.0 if p == "round_robin" else 1.10 for p in others}
+    broken = [f"{pt} against {p} ({r.low:.2f}-{r.high:.2f} x)" for pt, by in ratios.items() for p, r in by.items()
+              if r.low > marks[p]]
+    unsure = [f"{pt} against {p} ({r.ratio:.2f} x, {r.low:.2f}-{r.high:.2f})" for pt, by in ratios.items()
+              for p, r in by.items() if r.ratio > marks[p] >= r.low]
+    lines = [f"The default's pooled p99 TTFT over each other policy's, on the seeds both ran, with a 90% interval "
+             "from resampling those seeds (seeds):", "",
+             markdown_table(["point", *(f"{default} / {p}" for p in others)], body), ""]
+    lines.append("The seeds show the default past item 3's marks (within 1.10 x each policy, at most 1.00 x round "
+                 "robin) at: " + ("; ".join(broken) if broken else "no point") + ".")
+    if unsure:
+        lines.append("Past a mark pooled, but inside the seeds' noise: " + "; ".join(unsure) + ".")
+    return [*lines, ""]
+
+
 def verdict(dirs: Sequence[Path]) -> str:
     runs = read(dirs)
     table = pooled(runs)
@@ -105,6 +172,7 @@ def verdict(dirs: Sequence[Path]) -> str:
         lines += ["Seed by seed (one point and seed of one run directory), the runs where the default's p99 TTFT "
                   "was lower than each other policy's (a coin: half):", "",
                   markdown_table(["point", *(f"default lower than {p}" for p in others)], body), ""]
+    lines += interval_lines(paired_ratios(runs))
     return "\n".join(lines)
 
 

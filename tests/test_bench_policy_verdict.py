@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.policy_verdict import main, pooled, pooled_in_steps, read, seed_by_seed, verdict
+from bench.policy_verdict import (interval_lines, main, paired_ratios, pooled, pooled_in_steps, read, seed_by_seed,
+                                   verdict)
 
 
 def _row(policy: str, seed: int, ttft_ms: list[float], side: str = "real", load: float = 0.5,
@@ -70,3 +71,34 @@ def test_a_directory_without_runs_is_a_usage_error(tmp_path: Path, capsys: pytes
     with pytest.raises(SystemExit) as exc:
         main([str(empty)])
     assert exc.value.code == 2 and "no real single-turn runs" in capsys.readouterr().err
+
+
+def test_the_pooled_ratios_come_with_an_interval_from_resampling_seeds(tmp_path: Path) -> None:
+    """Round robin 3 x slower than the default in each of 5 seeds: the ratio and its interval stay below 1. `least_requests` level in 5 seeds and slow in none, but the default had one slow seed: pooled the
+    default is past 1.10 x it, yet resampling the seeds reaches back to 1.0 (inside the noise). A seed where only
+    the default ran is not paired with anything."""
+    rows = []
+    for seed in range(5):
+        rows += [_row("prefix_affinity", seed, [20] * 100), _row("round_robin", seed, [60] * 100),
+                 _row("least_requests", seed, [20] * 100)]
+    rows[0] = _row("prefix_affinity", 0, [20] * 90 + [40] * 10)  # seed 0: the default's slow tail
+    rows.append(_row("prefix_affinity", 9, [20] * 100))
+    run = _run_dir(tmp_path / "a", rows)
+    ratios = paired_ratios(read([run]))["mix/poisson/0.5"]
+    rr, lr = ratios["round_robin"], ratios["least_requests"]
+    assert rr.seeds == lr.seeds == 5
+    assert rr.ratio == pytest.approx(40 / 60) and rr.high == pytest.approx(40 / 60)  # the slow seed sets p99
+    assert rr.low == pytest.approx(20 / 60)  # drawn without it
+    assert lr.ratio == pytest.approx(2.0) and lr.low == pytest.approx(1.0) and lr.high == pytest.approx(2.0)
+    text = "\n".join(interval_lines({"mix/poisson/0.5": ratios}))
+    assert "| mix/poisson/0.5 | 2.00 (1.00-2.00; 5) | 0.67 (0.33-0.67; 5) |" in text
+    assert "past item 3's marks (within 1.10 x each policy, at most 1.00 x round robin) at: no point." in text
+    assert "inside the seeds' noise: mix/poisson/0.5 against least_requests (2.00 x, 1.00-2.00)." in text
+
+
+def test_a_policy_slower_in_every_seed_is_shown_past_the_mark(tmp_path: Path) -> None:
+    rows = [r for seed in range(4) for r in (_row("prefix_affinity", seed, [30 + seed] * 100),
+                                             _row("round_robin", seed, [20 + seed] * 100))]
+    ratios = paired_ratios(read([_run_dir(tmp_path / "a", rows)]))
+    assert ratios["mix/poisson/0.5"]["round_robin"].low > 1.3
+    assert "at: mix/poisson/0.5 against round_robin" in "\n".join(interval_lines(ratios))
