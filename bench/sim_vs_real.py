@@ -674,6 +674,7 @@ def report(out: Path, meta: dict[str, Any]) -> str:
         for name in ("sim-together", MATCHED):
             if name in table_held:
                 lines += versus(table_held["real"], table_held[name], name, " (seeds after the first)")
+        lines += ranking_lines(held, table_held, MATCHED)
         lines += steps_lines(held, int(meta.get("replicas", 2)), MATCHED, meta.get("replica_model_together"),
                              scaled=True)
     lines += ttft_lines(rows, ["real", *(n for n in (*CALIBRATIONS.values(), FOLLOWED, PAIRED, MATCHED) if n in table)])

@@ -284,8 +284,11 @@ def test_the_matched_side_is_scaled_to_the_seed_0_runs_and_runs_only_the_others(
     with pytest.raises(SystemExit) as exc:
         main(["--match-steps", "--seeds", "1", "--dry-run"])
     assert exc.value.code == 2 and "--match-steps" in capsys.readouterr().err
-    held = [{**row(side, 0, 20.0, 5.0), "seed": 1} for side in ("real", "sim-together")] + [
-        {**row(MATCHED, 0, 20.0, 5.5), "seed": 1}, row("real", 0, 30.0, 9.0), row("sim-together", 0, 20.0, 5.0)]
+    held = [{**row(side, 0, ttft, 5.0, policy), "seed": seed} for side in ("real", "sim-together")
+            for seed in (1, 2) for ttft, policy in ((20.0, "prefix_affinity"), (30.0, "round_robin"))] + [
+        {**row(MATCHED, 0, ttft, 5.5, policy), "seed": seed} for seed in (1, 2)
+        for ttft, policy in ((20.0, "prefix_affinity"), (30.0, "round_robin"))] + [
+        row("real", 0, 30.0, 9.0), row("sim-together", 0, 20.0, 5.0)]
     (tmp_path / "runs.jsonl").write_text("\n".join(json.dumps(r) for r in held) + "\n")
     text = report(tmp_path, {"capacity_real_mix": 18.0, "matched_scale": 1.06, "replica_model_together": str(path)})
     assert f"## `{MATCHED}`: steps matched to the real engines' own in the seed-0 runs" in text
@@ -293,6 +296,9 @@ def test_the_matched_side_is_scaled_to_the_seed_0_runs_and_runs_only_the_others(
     assert "`sim-together` (seeds after the first): median absolute error over all rows: ttft_p50 0%" in text
     assert f"`{MATCHED}` (seeds after the first): median absolute error over all rows: ttft_p50 0%, ttft_p99 0%, " \
            "tpot_p50 10%" in text
+    # the ranking on the held seeds: both real seeds put round robin's tail above the default's, and so does it
+    assert f"## Is the real ranking decided? (`{MATCHED}`)" in text
+    assert f"`{MATCHED}` orders 1 of the 1 decided pairs as the real side does." in text
 
 
 def test_the_paired_side_runs_each_run_at_its_real_twins_own_step_speed(
