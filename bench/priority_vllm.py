@@ -8,7 +8,7 @@ phase's samples over the rounds. Two more phases give the engine's own part, no 
 interactive requests sent straight to the replica, and "direct", the same while as many flood clients as the
 gateway lets run beside them (cap less headroom) send straight to it too. It reports the pooled p50/p90/p99 and each round's p99 ratio, and writes JSON.
 
-    python -m bench.priority_vllm [--rounds 4] [--samples 100] [--replica URL] [--out docs/bench/priority_vllm.json]
+    python -m bench.priority_vllm [--rounds 4] [--samples 100] [--replica URL | --replica-cpus 1] [--out FILE]
 
 Without --replica it starts the test's replica: the tiny model, `--max-num-seqs 8 --scheduling-policy priority`,
 10 below normal CPU priority (deploy's default).
@@ -42,12 +42,13 @@ PHASES = ("alone", "priority", "tenants", "direct alone", "direct")
 BASE = {"priority": "alone", "tenants": "alone", "direct": "direct alone"}  # each ratio's denominator
 
 
-def replica_server(log: Path) -> VllmServer:
-    """The replica of tests/test_priority_vllm.py and of this benchmark, not yet started (a context manager)."""
+def replica_server(log: Path, cpus: tuple[int, ...] = ()) -> VllmServer:
+    """The replica of tests/test_priority_vllm.py and of this benchmark, not yet started (a context manager), on
+    `cpus` (default: every core this process may use)."""
     spec = ReplicaSpec(name="priority", model=str(ensure_tiny_model()), port=free_port(), max_num_seqs=8,
                        max_model_len=512, cpu_kvcache_space_gib=1, served_model_name=MODEL,
                        extra_args=("--scheduling-policy", "priority"))
-    cpus = usable_cpus()
+    cpus = cpus or usable_cpus()
     env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": cpu_list(cpus)}
     return VllmServer(spec, log, env, startup_timeout_s=420, cpus=cpus)
 
@@ -101,7 +102,7 @@ async def measure(replica: str, args: argparse.Namespace) -> list[dict[str, list
     return rounds
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--replica", help="a running replica serving the tiny model as tiny-opt (default: start one)")
     parser.add_argument("--rounds", type=int, default=4)
@@ -110,19 +111,28 @@ def main() -> None:
     parser.add_argument("--headroom", type=int, default=2)
     parser.add_argument("--flood", type=int, default=8)
     parser.add_argument("--gap", type=float, default=0.1)
+    parser.add_argument("--replica-cpus", default="", help="cores for the started replica, e.g. 1 (this process, "
+                        "the gateway and the clients then keep to the others); default: every core, shared")
     parser.add_argument("--out", type=Path, default=RESULTS / "priority_vllm.json")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.rounds < 1 or args.samples < 1:
         parser.error("--rounds and --samples must be at least 1")
+    replica_cpus = tuple(int(c) for c in args.replica_cpus.split(",") if c)
+    rest = set(usable_cpus()) - set(replica_cpus)
+    if replica_cpus and (not set(replica_cpus) <= set(usable_cpus()) or not rest):
+        parser.error(f"--replica-cpus must be some, not all, of this process's cores {usable_cpus()}")
     with ExitStack() as stack:
         replica = args.replica or stack.enter_context(
-            replica_server(Path(tempfile.mkdtemp(prefix="priority-vllm-")) / "vllm.log")).url
+            replica_server(Path(tempfile.mkdtemp(prefix="priority-vllm-")) / "vllm.log", replica_cpus)).url
+        if replica_cpus:
+            os.sched_setaffinity(0, rest)  # after the replica started: it keeps its own cores
         started = time.monotonic()
         rounds = asyncio.run(measure(replica, args))
         seconds = time.monotonic() - started
     result = {"command": " ".join(["python -m bench.priority_vllm", *sys.argv[1:]]), "rounds": args.rounds,
               "samples": args.samples, "seconds": seconds, "cap": args.cap, "headroom": args.headroom,
-              "flood": args.flood, "gap_s": args.gap, "ttft_s": rounds, "summary": summarize(rounds)}
+              "flood": args.flood, "gap_s": args.gap,
+              "replica_cpus": list(replica_cpus), "ttft_s": rounds, "summary": summarize(rounds)}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
     print(report(result))

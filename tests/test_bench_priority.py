@@ -37,3 +37,16 @@ def test_report_shows_every_phase_and_the_ratios() -> None:
     for name in PHASES:
         assert f"| {name} | 200 |" in text
     assert "| 1.50 |" in text and "priority 1.50, tenants 1.50, direct 1.50" in text
+
+
+@pytest.mark.parametrize("cpus", ["99", "all"])
+def test_replica_cpus_must_leave_this_process_a_core(cpus: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """--replica-cpus names cores this process may use, and not every one of them (the gateway and clients keep the
+    rest); checked before any replica starts."""
+    from bench.priority_vllm import main
+    from deploy.hardware import usable_cpus
+
+    value = ",".join(map(str, usable_cpus())) if cpus == "all" else cpus
+    with pytest.raises(SystemExit) as exc:
+        main(["--replica-cpus", value])
+    assert exc.value.code == 2 and "--replica-cpus must be some, not all" in capsys.readouterr().err
