@@ -22,9 +22,9 @@ One command:
    faster as the real engines were just before the matching real run, against a reading taken right after the
    calibration (`bench.engine_speed`: a short fixed load, the mean step from vLLM's counters; `POST /sim/speed` on
    the simulated replicas). This machine's speed wanders by a quarter within minutes (docs/sim.md). With
-   `--match-steps`, a side "sim-matched": the "together" calibration with every step scaled by how much slower
-   the real engines stepped than it in the seed-0 runs (vLLM's counters, at their own batch), run and judged on
-   the other seeds only. With `--pair-steps`, a side "sim-paired": the "together" calibration, each run's steps
+   `--match-steps`, a side "sim-matched": the "together" calibration with its steps scaled by how much slower
+   the real engines stepped than it in the seed-0 runs of the same workload (vLLM's counters, at their own
+   batch), run and judged on the other seeds only. With `--pair-steps`, a side "sim-paired": the "together" calibration, each run's steps
    scaled to its own real twin's (that run's mean step from vLLM's counters over the model at that run's batch).
    It takes the speed from the run it is judged against, so it is an oracle for the machine's speed and a test of
    everything else the simulator does (scheduling, batching, chunked prefill, routing, tails);
@@ -76,7 +76,7 @@ from .sim_vs_real_calibration import MODEL, calibrate, profile_dir, profile_roun
 from .sim_vs_real_inflight import inflight_lines
 from .sim_vs_real_ranking import point_of, ranking_lines, verdict_lines
 from .sim_vs_real_rounds import models_lines, rounds_lines
-from .sim_vs_real_steps import decoding_context, run_scale, steps_lines, warmup_scale
+from .sim_vs_real_steps import decoding_context, matched_scale, run_scale, steps_lines, warmup_scale
 from .sim_vs_real_ttft import COUNTERS as TTFT_COUNTERS
 from .sim_vs_real_ttft import ttft_lines, ttft_parts
 
@@ -458,12 +458,9 @@ def measure(setup: Setup) -> None:
                     meta_path.write_text(json.dumps(meta, indent=1))
                 urls, pids = serve_sim(stack, meta[f"replica_model{suffix(calibration)}"], setup.replicas,
                                        sim_port + 10 * k, out / f"{side_name}.log")
-                if side_name == MATCHED:
-                    if "matched_scale" not in meta:
-                        meta["matched_scale"] = warmup_scale(list(done.values()), len(real),
-                                                             meta["replica_model_together"])
-                        meta_path.write_text(json.dumps(meta, indent=1))
-                    set_scale(urls, meta["matched_scale"])
+                if side_name == MATCHED and "matched_scale" not in meta:
+                    meta["matched_scale"] = warmup_scale(list(done.values()), len(real), meta["replica_model_together"])
+                    meta_path.write_text(json.dumps(meta, indent=1))
             spinning: AbstractContextManager[list[int]] = nullcontext([])
             if setup.cpu_twin and side_name != "real":
                 meta.setdefault("cpu_twin_cores", twin_cores(list(done_runs(results).values())))
@@ -473,6 +470,8 @@ def measure(setup: Setup) -> None:
                 for workload in setup.workloads:
                     key = f"capacity_{side_name}_{workload}"
                     if key not in meta:
+                        if side_name == MATCHED:
+                            set_scale(urls, matched_scale(meta["matched_scale"], workload))
                         meta[key] = capacity(side.gateways[DEFAULT], workload, tokenizer, out / "tmp-capacity",
                                              setup.capacity_requests)
                         meta_path.write_text(json.dumps(meta, indent=1))
@@ -487,8 +486,9 @@ def measure(setup: Setup) -> None:
                     pace: dict[str, Any] = {}  # the engines' speed before a real run; a followed run's scale
                     if setup.follow_speed and side_name == "real":
                         pace["engine_speed"] = asdict(read_sync(urls))
-                    elif side_name == MATCHED:
-                        pace["scale"] = meta["matched_scale"]
+                    elif side_name == MATCHED:  # its workload's factor from the warm-up
+                        pace["scale"] = matched_scale(meta["matched_scale"], run.workload)
+                        set_scale(urls, pace["scale"])
                     elif side_name in (FOLLOWED, PAIRED):  # each run at a speed read from its real twin
                         twin = done[replace(run, side="real").key]
                         pace["scale"] = (twin["engine_speed"]["ms_a_step"] / meta["speed_ref"]["ms_a_step"]
@@ -510,6 +510,13 @@ def measure(setup: Setup) -> None:
 
 
 # -- the report -------------------------------------------------------------------------------------------------
+
+def scales_text(scales: float | dict[str, float]) -> str:
+    """`--match-steps`' factors as the report says them: "1.37 x" (one for all, before 2026-11-27), or
+    "1.25 x (mix), 1.55 x (sharegpt)"."""
+    if isinstance(scales, dict):
+        return ", ".join(f"{v:.2f} x ({w})" for w, v in scales.items())
+    return f"{scales:.2f} x"
 
 def pooled(rows: Sequence[dict[str, Any]]) -> dict[str, float]:
     ttft = np.concatenate([r["ttft_s"] for r in rows]) * 1e3
@@ -667,9 +674,10 @@ def report(out: Path, meta: dict[str, Any]) -> str:
     if MATCHED in table:
         held = [r for r in rows if r["seed"] > 0]
         lines += [f"## `{MATCHED}`: steps matched to the real engines' own in the seed-0 runs", "",
-                  f"The together model with every step {meta['matched_scale']:.2f} x its own: the median, over the real "
-                  "side's seed-0 runs (the warm-up), of the engines' mean step over the model at their own batch "
-                  "(vLLM's counters). Judged on the other seeds only, beside `sim-together` on the same runs.", ""]
+                  f"The together model with its steps scaled by {scales_text(meta['matched_scale'])}: the median, "
+                  "over the real side's seed-0 runs (the warm-up) of that workload, of the engines' mean step over the "
+                  "model at their own batch (vLLM's counters). Judged on the other seeds only, beside `sim-together` "
+                  "on the same runs.", ""]
         table_held = summarize(held)
         for name in ("sim-together", MATCHED):
             if name in table_held:
@@ -790,7 +798,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                         "point by point, the round with the median TPOT (1)")
     parser.add_argument("--match-steps", action="store_true", help="add a side sim-matched: the together "
                         "calibration, its steps scaled by how much slower the real engines stepped than it in the "
-                        "seed-0 runs (vLLM's counters, at their own batch); run and judged on the other seeds")
+                        "seed-0 runs of each workload (vLLM's counters, at their own batch); run and judged on the "
+                        "other seeds")
     parser.add_argument("--pair-steps", action="store_true", help="add a side sim-paired: the together "
                         "calibration, each run's steps scaled to its own real twin's (an oracle for the machine's "
                         "speed, a test of everything else)")

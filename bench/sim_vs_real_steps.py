@@ -122,12 +122,26 @@ def run_scale(row: dict[str, Any], replicas: int, model_path: str) -> float:
     return ratio
 
 
-def warmup_scale(rows: Sequence[dict[str, Any]], replicas: int, model_path: str) -> float:
-    """How many times slower than the replica model the real engines stepped in their seed-0 runs (the warm-up),
-    each run's mean step over the model at that run's own batch and prompt tokens a step: the median."""
+def warmup_scale(rows: Sequence[dict[str, Any]], replicas: int, model_path: str) -> dict[str, float]:
+    """Per workload, how many times slower than the replica model the real engines stepped in their seed-0 runs
+    (the warm-up): the median over that workload's runs of each run's mean step over the model at its own batch,
+    prompt tokens a step and decoding context. Per workload, since the model's miss depends on the lengths (on
+    2026-11-27 the engines ran 1.2-1.3 x it on `mix` and 1.55 x on ShareGPT-like lengths, in the same minutes)."""
     model = ReplicaModel.load(model_path)
-    ratios = [ratio for r in rows if r["side"] == "real" and r["seed"] == 0 and r["workload"] != "chat"
-              if (ratio := step_ratio(r, replicas, model)) is not None]
+    ratios: dict[str, list[float]] = {}
+    for r in rows:
+        if r["side"] == "real" and r["seed"] == 0 and r["workload"] != "chat":
+            if (ratio := step_ratio(r, replicas, model)) is not None:
+                ratios.setdefault(r["workload"], []).append(ratio)
     if not ratios:
         raise ValueError("no single-turn real run of seed 0 with vLLM's step counters to match the model to")
-    return float(np.median(ratios))
+    return {workload: float(np.median(v)) for workload, v in sorted(ratios.items())}
+
+
+def matched_scale(scales: float | dict[str, float], workload: str) -> float:
+    """The factor `warmup_scale` found for `workload` (run directories before 2026-11-27: one for all)."""
+    if isinstance(scales, dict):
+        if workload not in scales:
+            raise ValueError(f"no seed-0 real run of workload {workload!r} to match its steps to")
+        return scales[workload]
+    return scales

@@ -264,9 +264,10 @@ def test_fewer_than_one_calibration_round_is_a_usage_error(capsys: pytest.Captur
 def test_the_matched_side_is_scaled_to_the_seed_0_runs_and_runs_only_the_others(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Seed 0's real steps: 10 ms where the model gives 9.0 (x 1.11), and 9 ms (x 1.0): the scale is the median,
-    1.056. Later seeds, other sides and chat runs do not count; without a seed-0 run there is nothing to match."""
+    1.056, for their workload; another workload gets its own. Later seeds, other sides and chat runs do not count;
+    without a seed-0 run there is nothing to match."""
     from bench.sim_vs_real import MATCHED, main
-    from bench.sim_vs_real_steps import warmup_scale
+    from bench.sim_vs_real_steps import matched_scale, warmup_scale
 
     model = ReplicaModel(model_name="m", step_s=((1, 0.005), (16, 0.0125)), prefill_s_per_token=50e-6,
                          frontend_s=0.0, max_num_seqs=32, max_num_batched_tokens=2048, chunked_prefill=True,
@@ -276,7 +277,12 @@ def test_the_matched_side_is_scaled_to_the_seed_0_runs_and_runs_only_the_others(
     slow, even = _stepped("real", 2000, 16000, 20000), _stepped("real", 2000 * 10 / 9, 16000 * 10 / 9, 20000 * 10 / 9)
     rows = [slow, even, {**_stepped("real", 1000, 16000, 20000), "seed": 1},
             {**_stepped("real", 1000, 16000, 20000), "workload": "chat"}, _stepped("sim-together", 1000, 8000, 100)]
-    assert warmup_scale(rows, 2, str(path)) == pytest.approx((10 / 9 + 1) / 2)
+    assert warmup_scale(rows, 2, str(path)) == {"sharegpt": pytest.approx((10 / 9 + 1) / 2)}
+    scales = warmup_scale([*rows, {**slow, "workload": "mix"}], 2, str(path))  # each workload its own factor
+    assert scales == {"mix": pytest.approx(10 / 9), "sharegpt": pytest.approx((10 / 9 + 1) / 2)}
+    assert matched_scale(scales, "sharegpt") == scales["sharegpt"] and matched_scale(1.2, "sharegpt") == 1.2
+    with pytest.raises(ValueError, match="no seed-0 real run of workload 'gamma'"):
+        matched_scale(scales, "gamma")
     with pytest.raises(ValueError, match="no single-turn real run of seed 0"):
         warmup_scale(rows[2:], 2, str(path))
     runs = setup(0).runs(MATCHED)
@@ -292,7 +298,10 @@ def test_the_matched_side_is_scaled_to_the_seed_0_runs_and_runs_only_the_others(
     (tmp_path / "runs.jsonl").write_text("\n".join(json.dumps(r) for r in held) + "\n")
     text = report(tmp_path, {"capacity_real_mix": 18.0, "matched_scale": 1.06, "replica_model_together": str(path)})
     assert f"## `{MATCHED}`: steps matched to the real engines' own in the seed-0 runs" in text
-    assert "every step 1.06 x its own" in text
+    assert "its steps scaled by 1.06 x:" in text  # a run directory from before the factor per workload
+    text = report(tmp_path, {"capacity_real_mix": 18.0, "matched_scale": {"mix": 1.06, "sharegpt": 1.5},
+                             "replica_model_together": str(path)})
+    assert "its steps scaled by 1.06 x (mix), 1.50 x (sharegpt):" in text
     assert "`sim-together` (seeds after the first): median absolute error over all rows: ttft_p50 0%" in text
     assert f"`{MATCHED}` (seeds after the first): median absolute error over all rows: ttft_p50 0%, ttft_p99 0%, " \
            "tpot_p50 10%" in text
