@@ -24,8 +24,8 @@ its own TPOT, and so looks a little better in steps than it is.
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -125,13 +125,15 @@ def paired_ratios(runs: Sequence[Sequence[dict[str, Any]]], default: str = DEFAU
     return out
 
 
-def interval_lines(ratios: dict[str, dict[str, Ratio]], default: str = DEFAULT) -> list[str]:
-    """The table of `paired_ratios`, and which of item 3's two conditions the seeds show broken (the interval
-    wholly past the mark: 1.10 x another policy, 1.00 x round robin) and which they cannot tell."""
+def interval_lines(ratios: dict[str, dict[str, Ratio]], default: str = DEFAULT, blind: str = "round_robin",
+                   within: float = 0.10) -> list[str]:
+    """The table of `paired_ratios`, and which of item 3's two conditions (`verdict_lines`' marks) the seeds show
+    broken (the interval wholly past the mark: 1 + `within` x another policy, 1.00 x `blind`) and which they cannot
+    tell."""
     others = sorted({p for by in ratios.values() for p in by})
     body = [[pt, *(f"{by[p].ratio:.2f} ({by[p].low:.2f}-{by[p].high:.2f}; {by[p].seeds})" if p in by else ""
                    for p in others)] for pt, by in ratios.items()]
-    marks = {p: 1.0 if p == "round_robin" else 1.10 for p in others}
+    marks = {p: 1.0 if p == blind else 1 + within for p in others}
     broken = [f"{pt} against {p} ({r.low:.2f}-{r.high:.2f} x)" for pt, by in ratios.items() for p, r in by.items()
               if r.low > marks[p]]
     unsure = [f"{pt} against {p} ({r.ratio:.2f} x, {r.low:.2f}-{r.high:.2f})" for pt, by in ratios.items()
@@ -139,8 +141,8 @@ def interval_lines(ratios: dict[str, dict[str, Ratio]], default: str = DEFAULT) 
     lines = [f"The default's pooled p99 TTFT over each other policy's, on the seeds both ran, with a 90% interval "
              "from resampling those seeds (seeds):", "",
              markdown_table(["point", *(f"{default} / {p}" for p in others)], body), ""]
-    lines.append("The seeds show the default past item 3's marks (within 1.10 x each policy, at most 1.00 x round "
-                 "robin) at: " + ("; ".join(broken) if broken else "no point") + ".")
+    lines.append(f"The seeds show the default past item 3's marks (within {1 + within:.2f} x each policy, at most "
+                 f"1.00 x {blind.replace('_', ' ')}) at: " + ("; ".join(broken) if broken else "no point") + ".")
     if unsure:
         lines.append("Past a mark pooled, but inside the seeds' noise: " + "; ".join(unsure) + ".")
     return [*lines, ""]

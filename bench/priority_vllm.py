@@ -117,10 +117,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.rounds < 1 or args.samples < 1:
         parser.error("--rounds and --samples must be at least 1")
-    replica_cpus = tuple(int(c) for c in args.replica_cpus.split(",") if c)
-    rest = set(usable_cpus()) - set(replica_cpus)
-    if replica_cpus and (not set(replica_cpus) <= set(usable_cpus()) or not rest):
-        parser.error(f"--replica-cpus must be some, not all, of this process's cores {usable_cpus()}")
+    replica_cpus, usable = tuple(int(c) for c in args.replica_cpus.split(",") if c), usable_cpus()
+    rest = set(usable) - set(replica_cpus)
+    if replica_cpus and (not set(replica_cpus) <= set(usable) or not rest):
+        parser.error(f"--replica-cpus must be some, not all, of this process's cores {usable}")
     with ExitStack() as stack:
         replica = args.replica or stack.enter_context(
             replica_server(Path(tempfile.mkdtemp(prefix="priority-vllm-")) / "vllm.log", replica_cpus)).url

@@ -24,10 +24,11 @@ One command:
    the simulated replicas). This machine's speed wanders by a quarter within minutes (docs/sim.md). With
    `--match-steps`, a side "sim-matched": the "together" calibration with its steps scaled by how much slower
    the real engines stepped than it in the seed-0 runs of the same workload (vLLM's counters, at their own
-   batch), run and judged on the other seeds only. With `--pair-steps`, a side "sim-paired": the "together" calibration, each run's steps
-   scaled to its own real twin's (that run's mean step from vLLM's counters over the model at that run's batch).
-   It takes the speed from the run it is judged against, so it is an oracle for the machine's speed and a test of
-   everything else the simulator does (scheduling, batching, chunked prefill, routing, tails);
+   batch), run and judged on the other seeds only. With `--pair-steps`, a side "sim-paired": the "together"
+   calibration, each run's steps scaled to its own real twin's (that run's mean step from vLLM's counters over the
+   model at that run's batch). It takes the speed from the run it is judged against, so it is an oracle for the
+   machine's speed and a test of everything else the simulator does (scheduling, batching, chunked prefill,
+   routing, tails);
 7. the real side's first run is run `--repeats` more times (side "real-repeat", other prompts of the same
    lengths), spread over the real side's series: how far an identical schedule moves on the real replicas, the
    floor under every error against the simulator (on this shared 2-core machine, 10 identical sharegpt runs at
@@ -488,12 +489,12 @@ def measure(setup: Setup) -> None:
                         pace["engine_speed"] = asdict(read_sync(urls))
                     elif side_name == MATCHED:  # its workload's factor from the warm-up
                         pace["scale"] = matched_scale(meta["matched_scale"], run.workload)
-                        set_scale(urls, pace["scale"])
                     elif side_name in (FOLLOWED, PAIRED):  # each run at a speed read from its real twin
                         twin = done[replace(run, side="real").key]
                         pace["scale"] = (twin["engine_speed"]["ms_a_step"] / meta["speed_ref"]["ms_a_step"]
                                          if side_name == FOLLOWED else
                                          run_scale(twin, len(real), meta["replica_model_together"]))
+                    if "scale" in pace:
                         set_scale(urls, pace["scale"])
                     row = {**run_point(run, side, rate, duration, tokenizer, hash_text(run.key.split("/", 1)[1]),
                                        out / "tmp-run"), **pace}
@@ -517,6 +518,7 @@ def scales_text(scales: float | dict[str, float]) -> str:
     if isinstance(scales, dict):
         return ", ".join(f"{v:.2f} x ({w})" for w, v in scales.items())
     return f"{scales:.2f} x"
+
 
 def pooled(rows: Sequence[dict[str, Any]]) -> dict[str, float]:
     ttft = np.concatenate([r["ttft_s"] for r in rows]) * 1e3

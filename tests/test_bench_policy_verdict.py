@@ -74,9 +74,10 @@ def test_a_directory_without_runs_is_a_usage_error(tmp_path: Path, capsys: pytes
 
 
 def test_the_pooled_ratios_come_with_an_interval_from_resampling_seeds(tmp_path: Path) -> None:
-    """Round robin 3 x slower than the default in each of 5 seeds: the ratio and its interval stay below 1. `least_requests` level in 5 seeds and slow in none, but the default had one slow seed: pooled the
-    default is past 1.10 x it, yet resampling the seeds reaches back to 1.0 (inside the noise). A seed where only
-    the default ran is not paired with anything."""
+    """Round robin 3 x slower than the default in each of 5 seeds: the ratio and its interval stay below 1.
+    `least_requests` level in 5 seeds and slow in none, but the default had one slow seed: pooled the default is
+    past 1.10 x it, yet resampling the seeds reaches back to 1.0 (inside the noise). A seed where only the default
+    ran is not paired with anything."""
     rows = []
     for seed in range(5):
         rows += [_row("prefix_affinity", seed, [20] * 100), _row("round_robin", seed, [60] * 100),
