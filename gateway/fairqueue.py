@@ -42,7 +42,10 @@ def _loop_time() -> float:
 
 
 class QueueOrder(Protocol):
-    """What the router asks of a queue discipline; `key` orders waiters, smallest first."""
+    """What the router asks of a queue discipline; `key` orders waiters, smallest first. With `fair`, a full queue
+    refuses the latest waiter of the tenant with the most queued to make room for another tenant's request."""
+
+    fair: bool
 
     def key(self, info: RequestInfo, seq: int) -> tuple[int, float, int]: ...
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
@@ -33,7 +32,7 @@ QUEUE_POLL_S = 0.01  # while requests wait: how often to look for room freed by 
 MakeLease = Callable[[Replica], Lease]  # a lease of the caller's kind on a replica it chose (acquire_on)
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity: a waiter is one request
 class _Waiter:
     info: RequestInfo
     exclude: frozenset[str]
@@ -46,6 +45,12 @@ class _Waiter:
     def kind(self) -> tuple[str, frozenset[str], str]:
         """Waiters of one kind find room, or none, alike (`wake` skips the rest of a kind that found none)."""
         return self.info.model, self.exclude, "" if self.on is None else self.on.url
+
+    @property
+    def group(self) -> tuple[str, int, tuple[str, frozenset[str], str]]:
+        """Waiters that a queue order ranks by arrival among themselves: one tenant, priority and kind (the order's
+        key is the same but for `seq`, and the headroom it reserves is the tenant's and priority's)."""
+        return self.info.tenant, self.info.priority or 0, self.kind
 
 
 class Router:
@@ -64,7 +69,9 @@ class Router:
         self.order = order
         self._seq = 0
         self.replicas: dict[str, Replica] = {}
-        self._waiters: deque[_Waiter] = deque()
+        self._waiters: dict[int, _Waiter] = {}  # by seq: in arrival order, removed in O(1)
+        # with an order: the same waiters by group, each in arrival order; wake looks only at each group's first
+        self._groups: dict[tuple[str, int, tuple[str, frozenset[str], str]], dict[int, _Waiter]] = {}
         self._poll: asyncio.TimerHandle | None = None
         for config in replicas:
             self.add(config)
@@ -172,15 +179,16 @@ class Router:
         if queue is None:
             queue, model, waiting = self.queue, None, len(self._waiters)
         else:
-            waiting = sum(1 for w in self._waiters if w.info.model == info.model)
+            waiting = sum(1 for w in self._waiters.values() if w.info.model == info.model)
         if waiting >= queue.max_size and not self._displace(info, model):
             reason = "every replica is at its cap" + (" and the queue is full" if queue.max_size else "")
             raise GatewayError(429, f"{reason}; retry later", code="rate_limit_exceeded",
                                headers={"Retry-After": "1"})
         self._seq += 1
         waiter = _Waiter(info, exclude, asyncio.get_running_loop().create_future(), self._seq, on, make)
-        self._waiters.append(waiter)
+        self._waiters[waiter.seq] = waiter
         if self.order is not None:
+            self._groups.setdefault(waiter.group, {})[waiter.seq] = waiter
             self.order.arrive(info)
         self.wake()  # a replica may have room for it already (the queue's head waits for another model)
         self._poll_soon()
@@ -196,23 +204,51 @@ class Router:
                            code="rate_limit_exceeded", headers={"Retry-After": str(math.ceil(queue.max_wait_s))})
 
     def _displace(self, info: RequestInfo, model: str | None = None) -> bool:
-        """With priorities, make room for `info` by refusing the least urgent, latest waiter if it is less urgent
-        (one of `model`'s when that model has a queue of its own)."""
-        waiters = [w for w in self._waiters if model is None or w.info.model == model]
-        if self.order is None or not waiters:
+        """With an order, make room for `info` by refusing a waiter (one of `model`'s when that model has a queue of
+        its own): the least urgent, latest one if it is less urgent than `info`; else, with fairness, the latest of
+        the tenant with the most queued in `info`'s band if that is at least two more than `info`'s tenant has (a
+        flood cannot fill the queue and lock the other tenants out: longest-queue drop)."""
+        if self.order is None:
             return False
-        worst = max(waiters, key=lambda w: (w.info.priority or 0, w.seq))
-        if (worst.info.priority or 0) <= (info.priority or 0) or worst.future.done():
+        groups = [(g, w) for g, w in self._groups.items() if model is None or g[2][0] == model]
+        if not groups:
             return False
-        worst.future.set_exception(GatewayError(
-            429, "the admission queue is full and a more urgent request took this one's place; retry later",
-            code="rate_limit_exceeded", headers={"Retry-After": "1"}))
-        self._leave(worst)
+        priority = info.priority or 0
+        (_, worst_priority, _), worst = max(groups, key=lambda gw: (gw[0][1], next(reversed(gw[1]))))
+        if worst_priority > priority:
+            return self._refuse(worst[next(reversed(worst))], "a more urgent request took this one's place")
+        if not self.order.fair:
+            return False
+        queued: dict[str, int] = {}
+        for (tenant, p, _), waiters in groups:
+            if p == priority:
+                queued[tenant] = queued.get(tenant, 0) + len(waiters)
+        if not queued:
+            return False
+        flood = max(queued, key=queued.__getitem__)
+        if flood == info.tenant or queued[flood] <= queued.get(info.tenant, 0) + 1:
+            return False
+        latest = max((w for (tenant, p, _), w in groups if tenant == flood and p == priority),
+                     key=lambda w: next(reversed(w)))
+        return self._refuse(latest[next(reversed(latest))], "a tenant with fewer queued took this one's place")
+
+    def _refuse(self, waiter: _Waiter, why: str) -> bool:
+        """Refuse a waiter (429) to make room in a full queue."""
+        if waiter.future.done():
+            return False
+        waiter.future.set_exception(GatewayError(
+            429, f"the admission queue is full and {why}; retry later", code="rate_limit_exceeded",
+            headers={"Retry-After": "1"}))
+        self._leave(waiter)
         return True
 
     def _leave(self, waiter: _Waiter) -> None:
-        self._waiters.remove(waiter)
+        del self._waiters[waiter.seq]
         if self.order is not None:
+            group = self._groups[waiter.group]
+            del group[waiter.seq]
+            if not group:
+                del self._groups[waiter.group]
             self.order.leave(waiter.info)
 
     def _abandon(self, waiter: _Waiter) -> None:
@@ -251,7 +287,7 @@ class Router:
             return
         served = []
         blocked: set[tuple[str, frozenset[str], str]] = set()
-        for waiter in self._waiters:
+        for waiter in self._waiters.values():
             key = waiter.kind
             if waiter.future.done():
                 served.append(waiter)
@@ -270,21 +306,30 @@ class Router:
                 waiter.future.set_result(lease)
                 served.append(waiter)
         for waiter in served:
-            self._waiters.remove(waiter)
+            del self._waiters[waiter.seq]
 
     def _wake_ordered(self, order: QueueOrder) -> None:
-        """`wake` in the order's order, asked afresh after each lease (a lease changes its tenant's place)."""
+        """`wake` in the order's order, asked afresh after each lease (a lease changes its tenant's place).
+
+        Within a group (`_Waiter.group`) the order's key differs only by arrival, so the best waiter is the best of
+        the groups' first waiters: each pass costs the number of groups, not of waiters (a flood queues thousands).
+        """
         blocked: set[tuple[tuple[str, frozenset[str], str], int]] = set()  # one kept out of the headroom blocks its kind
-        for waiter in [w for w in self._waiters if w.future.done()]:
-            self._leave(waiter)
         while True:
             best, best_key = None, None
-            for waiter in self._waiters:
-                if (waiter.kind, order.reserve(waiter.info)) in blocked:
-                    continue
-                key = order.key(waiter.info, waiter.seq)
-                if best_key is None or key < best_key:
-                    best, best_key = waiter, key
+            for group in list(self._groups.values()):
+                waiter = next(iter(group.values()))
+                while waiter.future.done():  # settled elsewhere without leaving: leave now
+                    self._leave(waiter)
+                    if not group:
+                        break
+                    waiter = next(iter(group.values()))
+                else:
+                    if (waiter.kind, order.reserve(waiter.info)) in blocked:
+                        continue
+                    key = order.key(waiter.info, waiter.seq)
+                    if best_key is None or key < best_key:
+                        best, best_key = waiter, key
             if best is None:
                 return
             try:

@@ -126,6 +126,45 @@ async def test_a_full_queue_gives_an_urgent_newcomer_the_least_urgent_place() ->
     assert r.queue_depth == 0
 
 
+
+async def test_a_full_fair_queue_gives_another_tenant_the_floods_latest_place() -> None:
+    """Fair: a tenant that filled the queue gives its latest place to a tenant with fewer queued (at least two
+    fewer, so two tenants never trade places back and forth); without fairness the newcomer gets the 429 itself."""
+    r = router(PriorityOrder(fair=True), max_size=4)
+    held = r.try_acquire(info())
+    heavy = [asyncio.create_task(r.acquire(info("heavy"))) for _ in range(3)]
+    await settle()
+    light = [asyncio.create_task(r.acquire(info("light")))]
+    await settle()
+    assert r.queue_depth == 4 and not any(t.done() for t in heavy + light)
+    light.append(asyncio.create_task(r.acquire(info("light"))))  # heavy 3 > light 1 + 1: heavy's latest goes
+    await settle()
+    with pytest.raises(GatewayError) as displaced:
+        await heavy[2]
+    assert displaced.value.status == 429 and "fewer queued" in displaced.value.message
+    with pytest.raises(GatewayError) as full:  # heavy 2, light 2: nobody has two more than light
+        await r.acquire(info("light"))
+    assert full.value.status == 429 and "queue is full" in full.value.message
+    with pytest.raises(GatewayError):  # nor than heavy, its own
+        await r.acquire(info("heavy"))
+    for task in heavy[:2] + light:
+        task.cancel()
+    await asyncio.gather(*heavy, *light, return_exceptions=True)
+    held.release()  # type: ignore[union-attr]
+    assert r.queue_depth == 0
+
+    r = router(PriorityOrder(fair=False), max_size=2)
+    held = r.try_acquire(info())
+    heavy = [asyncio.create_task(r.acquire(info("heavy"))) for _ in range(2)]
+    await settle()
+    with pytest.raises(GatewayError):
+        await r.acquire(info("light"))
+    assert not any(t.done() for t in heavy)
+    for task in heavy:
+        task.cancel()
+    await asyncio.gather(*heavy, return_exceptions=True)
+    held.release()  # type: ignore[union-attr]
+
 async def test_headroom_keeps_a_slot_for_a_tenant_with_nothing_queued() -> None:
     """A tenant with several queued leaves `headroom` slots free; another tenant's request takes one at once."""
     r = router(PriorityOrder(fair=True, headroom=1), max_requests=4)
@@ -223,6 +262,52 @@ async def test_abandoned_waiters_leave_the_tenant_books_clean() -> None:
     await asyncio.gather(task, return_exceptions=True)
     assert r.queue_depth == 0 and not order._waiting
     held.release()  # type: ignore[union-attr]
+
+
+class CountingOrder(PriorityOrder):
+    """A fair order with headroom that counts how often the router asks it about a waiter."""
+
+    asked = 0
+
+    def reserve(self, info: RequestInfo) -> int:
+        self.asked += 1
+        return super().reserve(info)
+
+    def key(self, info: RequestInfo, seq: int) -> tuple[int, float, int]:
+        self.asked += 1
+        return super().key(info, seq)
+
+
+async def test_a_wake_costs_the_queued_groups_not_the_queued_requests() -> None:
+    """A flood queues thousands: each wake (every lease released, and every 10 ms while any wait) looks at each
+    tenant's first waiter only. It looked at every waiter, several times a wake: 1.9 million questions to the
+    order, a third of the gateway's CPU, in 15 s of bench/fairness_vllm.py's flood (docs/priority.md). And the
+    order served stays the order's: by tenants' tokens, then arrival."""
+    asked = {}
+    for depth in (50, 2000):
+        order = CountingOrder(fair=True, headroom=1)
+        r = router(order, max_size=depth + 10, max_requests=3)
+        held = r.try_acquire(info())
+        assert held is not None
+        flood = [asyncio.create_task(r.acquire(info("heavy"))) for _ in range(depth)]
+        light = [asyncio.create_task(r.acquire(info(f"light{i}"))) for i in range(3)]
+        await settle()
+        # the first two of the flood came to a queue without another of theirs and took the free slots
+        assert not any(t.done() for t in light) and sum(t.done() for t in flood) == 2
+        order.asked = 0
+        for _ in range(100):
+            r.wake()  # the 10 ms poll, with nothing freed
+        asked[depth] = order.asked
+        held.release()  # a slot, in the headroom: a light tenant's waiter gets it, not the flood's
+        await settle()
+        assert sum(t.done() for t in light) == 1 and sum(t.done() for t in flood) == 2
+        for task in flood + light:
+            task.cancel()
+        for lease in await asyncio.gather(*flood, *light, return_exceptions=True):
+            if not isinstance(lease, BaseException):
+                lease.release()
+        assert r.queue_depth == 0 and not order._waiting
+    assert asked[2000] == asked[50] <= 100 * 4 * 8, asked  # per wake: a few questions for each of 4 groups
 
 
 # -- token rates -----------------------------------------------------------------------------------------------
