@@ -84,13 +84,14 @@ def serve(config: GatewayConfig, reload: Callable[[], GatewayConfig] | None = No
 
 async def _serve(config: GatewayConfig, reload: Callable[[], GatewayConfig] | None = None) -> None:
     """Serve until SIGINT or SIGTERM, then stop gracefully (requests in flight get up to 30 s to finish)."""
-    from .app import running
+    from .app import freeze_startup_objects, running
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     async with running(config) as (gateway, port):
+        freeze_startup_objects()
         loop.add_signal_handler(signal.SIGHUP, _reloader(gateway.control, reload))
         logger.info("gateway on %s:%d, policy %s, replicas %s", config.host, port, config.policy,
                     ", ".join(r.url for r in config.replicas) or "(from DNS)")

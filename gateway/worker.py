@@ -16,7 +16,7 @@ import socket
 import sys
 from typing import Any
 
-from .app import running
+from .app import freeze_startup_objects, running
 from .config import from_mapping
 from .table import R_STATE, STATE_DRAINING, LoadTable
 
@@ -40,6 +40,7 @@ async def serve(spec: dict[str, Any]) -> None:
     loop.add_signal_handler(signal.SIGHUP, lambda: None)  # the supervisor's business: it replaces the workers
     async with running(config, grace_s=GRACE_S, table=table, row=row, sock=sock,
                        admin_socket=spec.get("admin_socket")):
+        freeze_startup_objects()
         orphan = asyncio.create_task(_until_orphaned(int(spec["parent"]), stop))
         await stop.wait()
         orphan.cancel()
