@@ -37,13 +37,18 @@ class Phase:
 
 def gateway_config(replica: str, cap: int, headroom: int, ordered: bool = True) -> GatewayConfig:
     """A gateway holding requests past `cap` in flight on the replica; priorities on (and passed on) if `ordered`."""
+    return from_mapping(gateway_mapping(replica, cap, headroom, ordered))
+
+
+def gateway_mapping(replica: str, cap: int, headroom: int, ordered: bool = True) -> dict[str, Any]:
+    """`gateway_config`'s settings, as a config file holds them."""
     data: dict[str, Any] = {"replicas": [{"url": replica, "max_requests": cap}], "host": "127.0.0.1", "port": 0,
                             "queue": {"max_size": 1000, "max_wait_s": 300, "headroom": headroom},
                             "health": {"interval_s": 1, "timeout_s": 5}}
     if ordered:
         data["priority"] = {"enabled": True, "bands": {"interactive": 0, "batch": 10}, "pass_on": True}
         data["tenants"] = {"fair": True, "header": "x-tenant"}
-    return from_mapping(data)
+    return data
 
 
 @contextlib.asynccontextmanager

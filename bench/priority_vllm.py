@@ -53,6 +53,16 @@ def replica_server(log: Path, cpus: tuple[int, ...] = ()) -> VllmServer:
     return VllmServer(spec, log, env, startup_timeout_s=420, cpus=cpus)
 
 
+def split_cores(spec: str) -> tuple[tuple[int, ...], set[int]]:
+    """`--replica-cpus`'s cores ("1", "2,3"; "" for none: the replica shares every core) and the cores left to
+    this process; ValueError unless they are some, not all, of the cores it may use."""
+    replica_cpus, usable = tuple(int(c) for c in spec.split(",") if c), usable_cpus()
+    rest = set(usable) - set(replica_cpus)
+    if replica_cpus and (not set(replica_cpus) <= set(usable) or not rest):
+        raise ValueError(f"--replica-cpus must be some, not all, of this process's cores {usable}")
+    return replica_cpus, rest
+
+
 def percentiles(samples: list[float]) -> dict[str, float]:
     return {f"p{q}": float(np.percentile(samples, q)) for q in (50, 90, 99)}
 
@@ -117,10 +127,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.rounds < 1 or args.samples < 1:
         parser.error("--rounds and --samples must be at least 1")
-    replica_cpus, usable = tuple(int(c) for c in args.replica_cpus.split(",") if c), usable_cpus()
-    rest = set(usable) - set(replica_cpus)
-    if replica_cpus and (not set(replica_cpus) <= set(usable) or not rest):
-        parser.error(f"--replica-cpus must be some, not all, of this process's cores {usable}")
+    try:
+        replica_cpus, rest = split_cores(args.replica_cpus)
+    except ValueError as exc:
+        parser.error(str(exc))
     with ExitStack() as stack:
         replica = args.replica or stack.enter_context(
             replica_server(Path(tempfile.mkdtemp(prefix="priority-vllm-")) / "vllm.log", replica_cpus)).url

@@ -15,15 +15,22 @@ clients), and those stalls decided p99 (docs/priority.md). Asserted: the issue's
 gateway's priority, 4 of 14 phases measured went past 1.2 x, by 1-17 ms (45 ms against 24 alone, the worst), where
 the stalls this guards against lasted 0.4-3.9 s. And p50 and p90 bounds that held on every run before (p50 ratios
 1.25-3.0 x, p90 0.9-2.2 x but once 9 x alone at 61 ms; FIFO 12-36 x the p50).
+
+The second test is the issue's case as bench/fairness_vllm.py runs it (open-loop tenants, a full queue), at one
+small point.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 
+from bench.fairness_vllm import arrivals, gateway_process, idle, one_case
 from bench.priority_load import compare
 from bench.priority_vllm import MODEL, replica_server
 
@@ -62,3 +69,35 @@ def test_interactive_keeps_its_ttft_under_a_batch_flood(replica: str) -> None:
     assert priority.p(90) <= RATIO * alone.p(90) + 2 * SLACK_S, report
     assert fifo.p(50) >= 2 * priority.p(50), f"first come first served should make interactive wait: {report}"
 
+
+
+LIGHT_RATE, HEAVY_RATE, RUN_S, QUEUE = 3.0, 30.0, 8.0, 40  # requests/s of each light tenant and of the heavy one
+
+
+def test_light_tenants_keep_their_ttft_past_saturation_and_a_full_queue(replica: str, tmp_path: Path) -> None:
+    """The issue's case, open loop (bench/fairness_vllm.py at one small point): three light tenants, Poisson, alone
+    and then beside a heavy tenant sending 10 x each one's rate, past what the gateway lets onto the replica, in one
+    band, through `gateway serve` in its own process. The heavy tenant's queue fills (40 places): it is refused
+    (429), the light tenants never are (a full fair queue gives them the heavy tenant's latest place), and their TTFT
+    stays near their run alone. Bounds as the test above: p50 within 3 x + 0.3 s, p99 within 3 x + 0.6 s (the
+    issue's 1.2 x is for bench/fairness_vllm.py, pooled over seeds: docs/priority.md)."""
+    rng = np.random.default_rng(0)
+    light = sorted((a for i in range(3) for a in arrivals(f"light{i}", "interactive", LIGHT_RATE, RUN_S, rng)),
+                   key=lambda a: a.at)
+    heavy = arrivals("heavy", "interactive", HEAVY_RATE, RUN_S, np.random.default_rng(1))
+
+    async def run() -> dict[str, Any]:
+        await idle(replica)
+        async with gateway_process(replica, 8, 6, tmp_path, queue_size=QUEUE) as url:
+            return await one_case(replica, url, light, heavy)
+
+    result = asyncio.run(run())
+    alone, flood = np.array(result["alone_ttft"]), np.array(result["flood_ttft"])
+    print(f"light tenants' TTFT p50/p99 alone {np.percentile(alone, 50) * 1e3:.0f}/{np.percentile(alone, 99) * 1e3:.0f}"
+          f" ms, beside the heavy one {np.percentile(flood, 50) * 1e3:.0f}/{np.percentile(flood, 99) * 1e3:.0f} ms "
+          f"({result['ratio']:.2f} x); heavy: {result['flood_started']} served, {result['flood_refused']} refused "
+          f"of {result['flood_sent']}")
+    assert len(flood) == len(light) and None not in result["flood_ttft"]  # every light request was served
+    assert result["flood_started"] > 0 and result["flood_refused"] > 0
+    assert np.percentile(flood, 50) <= RATIO * np.percentile(alone, 50) + SLACK_S
+    assert np.percentile(flood, 99) <= RATIO * np.percentile(alone, 99) + 2 * SLACK_S
