@@ -47,7 +47,7 @@ from bench.common import RESULTS
 from bench.fairness import BATCH_LOAD, BOUND, HEAVY, INTERACTIVE, LIGHT
 from bench.gateway_overhead import free_port
 from bench.priority_load import gateway_mapping
-from bench.priority_vllm import MODEL, replica_server, split_cores
+from bench.priority_vllm import MODEL, replica_server, split_cores, unwind_on_sigterm
 from bench.soak import GatewayProcess
 from sim.workload import poisson_arrivals
 
@@ -299,6 +299,7 @@ def main(argv: list[str] | None = None) -> int:
         replica_cpus, rest = split_cores(args.replica_cpus)
     except ValueError as exc:
         parser.error(str(exc))
+    unwind_on_sigterm()
     started = time.monotonic()
     workdir = Path(tempfile.mkdtemp(prefix="fairness-vllm-"))
     with ExitStack() as stack:

@@ -20,6 +20,7 @@ import argparse
 import asyncio
 import json
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -61,6 +62,14 @@ def split_cores(spec: str) -> tuple[tuple[int, ...], set[int]]:
     if replica_cpus and (not set(replica_cpus) <= set(usable) or not rest):
         raise ValueError(f"--replica-cpus must be some, not all, of this process's cores {usable}")
     return replica_cpus, rest
+
+
+def unwind_on_sigterm() -> None:
+    """SIGTERM (a time limit, `timeout`) unwinds like Ctrl-C, so the replica and gateway started are stopped: the
+    default would end this process and leave them running."""
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+    signal.signal(signal.SIGTERM, interrupt)
 
 
 def percentiles(samples: list[float]) -> dict[str, float]:
@@ -131,6 +140,7 @@ def main(argv: list[str] | None = None) -> None:
         replica_cpus, rest = split_cores(args.replica_cpus)
     except ValueError as exc:
         parser.error(str(exc))
+    unwind_on_sigterm()
     with ExitStack() as stack:
         replica = args.replica or stack.enter_context(
             replica_server(Path(tempfile.mkdtemp(prefix="priority-vllm-")) / "vllm.log", replica_cpus)).url
