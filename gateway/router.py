@@ -53,6 +53,11 @@ class _Waiter:
         return self.info.tenant, self.info.priority or 0, self.kind
 
 
+def _last(group: dict[int, _Waiter]) -> _Waiter:
+    """A group's latest waiter (groups keep arrival order)."""
+    return next(reversed(group.values()))
+
+
 class Router:
     """The replica pool, the routing policy, and the admission queue."""
 
@@ -214,9 +219,9 @@ class Router:
         if not groups:
             return False
         priority = info.priority or 0
-        (_, worst_priority, _), worst = max(groups, key=lambda gw: (gw[0][1], next(reversed(gw[1]))))
+        (_, worst_priority, _), worst = max(groups, key=lambda gw: (gw[0][1], _last(gw[1]).seq))
         if worst_priority > priority:
-            return self._refuse(worst[next(reversed(worst))], "a more urgent request took this one's place")
+            return self._refuse(_last(worst), "a more urgent request took this one's place")
         if not self.order.fair:
             return False
         queued: dict[str, int] = {}
@@ -228,9 +233,9 @@ class Router:
         flood = max(queued, key=queued.__getitem__)
         if flood == info.tenant or queued[flood] <= queued.get(info.tenant, 0) + 1:
             return False
-        latest = max((w for (tenant, p, _), w in groups if tenant == flood and p == priority),
-                     key=lambda w: next(reversed(w)))
-        return self._refuse(latest[next(reversed(latest))], "a tenant with fewer queued took this one's place")
+        latest = max((_last(w) for (tenant, p, _), w in groups if tenant == flood and p == priority),
+                     key=lambda w: w.seq)
+        return self._refuse(latest, "a tenant with fewer queued took this one's place")
 
     def _refuse(self, waiter: _Waiter, why: str) -> bool:
         """Refuse a waiter (429) to make room in a full queue."""
@@ -317,19 +322,13 @@ class Router:
         blocked: set[tuple[tuple[str, frozenset[str], str], int]] = set()  # one kept out of the headroom blocks its kind
         while True:
             best, best_key = None, None
-            for group in list(self._groups.values()):
+            for group in self._groups.values():  # a settled waiter has left its group (_leave)
                 waiter = next(iter(group.values()))
-                while waiter.future.done():  # settled elsewhere without leaving: leave now
-                    self._leave(waiter)
-                    if not group:
-                        break
-                    waiter = next(iter(group.values()))
-                else:
-                    if (waiter.kind, order.reserve(waiter.info)) in blocked:
-                        continue
-                    key = order.key(waiter.info, waiter.seq)
-                    if best_key is None or key < best_key:
-                        best, best_key = waiter, key
+                if (waiter.kind, order.reserve(waiter.info)) in blocked:
+                    continue
+                key = order.key(waiter.info, waiter.seq)
+                if best_key is None or key < best_key:
+                    best, best_key = waiter, key
             if best is None:
                 return
             try:
