@@ -27,7 +27,6 @@ import asyncio
 import contextlib
 import gc
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -47,7 +46,7 @@ from bench.common import RESULTS
 from bench.fairness import BATCH_LOAD, BOUND, HEAVY, INTERACTIVE, LIGHT
 from bench.gateway_overhead import free_port
 from bench.priority_load import gateway_mapping
-from bench.priority_vllm import MODEL, replica_server, split_cores, unwind_on_sigterm
+from bench.priority_vllm import MODEL, add_replica_cpus, open_replica, replica_cores, unwind_on_sigterm
 from bench.soak import GatewayProcess
 from sim.workload import poisson_arrivals
 
@@ -254,7 +253,7 @@ async def measure(replica: str, args: argparse.Namespace, workdir: Path) -> dict
     return {"capacity": cap, "seeds": seeds}
 
 
-def summary(seeds: dict[int, dict[str, Any]]) -> dict[str, dict[str, float]]:
+def summary(seeds: dict[int, dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Per case: the median of the seeds' ratios, the pooled p99s and their ratio."""
     out = {}
     for case in ("tenants", "priority"):
@@ -289,27 +288,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--capacity-seconds", type=float, default=10.0)
     parser.add_argument("--cap", type=int, default=6, help="max_requests on the replica in the gateway")
     parser.add_argument("--headroom", type=int, default=4, help="queue.headroom")
-    parser.add_argument("--replica-cpus", default="", help="cores for the started replica, e.g. 1 (this process, "
-                        "the gateway and the clients then keep to the others); default: every core, shared")
+    add_replica_cpus(parser)
     parser.add_argument("--out", type=Path, default=RESULTS / "fairness_vllm.json")
     args = parser.parse_args(argv)
     if args.seeds < 1 or args.seconds <= 0 or not 0 <= args.headroom < args.cap:
         parser.error("--seeds must be at least 1, --seconds positive, and 0 <= --headroom < --cap")
-    try:
-        replica_cpus, rest = split_cores(args.replica_cpus)
-    except ValueError as exc:
-        parser.error(str(exc))
+    cores = replica_cores(parser, args.replica_cpus)
     unwind_on_sigterm()
     started = time.monotonic()
     workdir = Path(tempfile.mkdtemp(prefix="fairness-vllm-"))
     with ExitStack() as stack:
-        replica = args.replica or stack.enter_context(replica_server(workdir / "vllm.log", replica_cpus)).url
-        if replica_cpus:
-            os.sched_setaffinity(0, rest)  # after the replica started: it keeps its own cores (the gateway, ours)
+        replica = open_replica(stack, args.replica, cores, workdir / "vllm.log")  # the gateway starts after: ours
         measured = asyncio.run(measure(replica, args, workdir))
     result = {"command": " ".join(["python -m bench.fairness_vllm", *(argv if argv is not None else sys.argv[1:])]),
               "seconds": args.seconds, "cap": args.cap, "headroom": args.headroom,
-              "replica_cpus": list(replica_cpus),
+              "replica_cpus": list(cores[0]),
               "wall_s": time.monotonic() - started, **measured, "summary": summary(measured["seeds"])}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))

@@ -64,6 +64,31 @@ def split_cores(spec: str) -> tuple[tuple[int, ...], set[int]]:
     return replica_cpus, rest
 
 
+def add_replica_cpus(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--replica-cpus", default="", help="cores for the started replica, e.g. 1 (this process, "
+                        "the gateway and the clients then keep to the others); default: every core, shared")
+
+
+def replica_cores(parser: argparse.ArgumentParser, spec: str) -> tuple[tuple[int, ...], set[int]]:
+    """`split_cores(spec)`, a bad one refused as the parser refuses arguments."""
+    try:
+        return split_cores(spec)
+    except ValueError as exc:
+        parser.error(str(exc))
+
+
+def open_replica(stack: ExitStack, url: str | None, cores: tuple[tuple[int, ...], set[int]], log: Path) -> str:
+    """`url`, or the URL of `replica_server` started on `cores`' first part (entered on `stack`); with cores
+    given, this process then keeps to the rest (after the start: the replica keeps its own)."""
+    if url:
+        return url
+    replica_cpus, rest = cores
+    url = stack.enter_context(replica_server(log, replica_cpus)).url
+    if replica_cpus:
+        os.sched_setaffinity(0, rest)
+    return url
+
+
 def unwind_on_sigterm() -> None:
     """SIGTERM (a time limit, `timeout`) unwinds like Ctrl-C, so the replica and gateway started are stopped: the
     default would end this process and leave them running."""
@@ -130,29 +155,23 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--headroom", type=int, default=2)
     parser.add_argument("--flood", type=int, default=8)
     parser.add_argument("--gap", type=float, default=0.1)
-    parser.add_argument("--replica-cpus", default="", help="cores for the started replica, e.g. 1 (this process, "
-                        "the gateway and the clients then keep to the others); default: every core, shared")
+    add_replica_cpus(parser)
     parser.add_argument("--out", type=Path, default=RESULTS / "priority_vllm.json")
     args = parser.parse_args(argv)
     if args.rounds < 1 or args.samples < 1:
         parser.error("--rounds and --samples must be at least 1")
-    try:
-        replica_cpus, rest = split_cores(args.replica_cpus)
-    except ValueError as exc:
-        parser.error(str(exc))
+    cores = replica_cores(parser, args.replica_cpus)
     unwind_on_sigterm()
     with ExitStack() as stack:
-        replica = args.replica or stack.enter_context(
-            replica_server(Path(tempfile.mkdtemp(prefix="priority-vllm-")) / "vllm.log", replica_cpus)).url
-        if replica_cpus:
-            os.sched_setaffinity(0, rest)  # after the replica started: it keeps its own cores
+        replica = open_replica(stack, args.replica, cores,
+                               Path(tempfile.mkdtemp(prefix="priority-vllm-")) / "vllm.log")
         started = time.monotonic()
         rounds = asyncio.run(measure(replica, args))
         seconds = time.monotonic() - started
     result = {"command": " ".join(["python -m bench.priority_vllm", *sys.argv[1:]]), "rounds": args.rounds,
               "samples": args.samples, "seconds": seconds, "cap": args.cap, "headroom": args.headroom,
               "flood": args.flood, "gap_s": args.gap,
-              "replica_cpus": list(replica_cpus), "ttft_s": rounds, "summary": summarize(rounds)}
+              "replica_cpus": list(cores[0]), "ttft_s": rounds, "summary": summarize(rounds)}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
     print(report(result))
