@@ -12,6 +12,7 @@ when the process exits while we wait, and with `StartupTimeout` when it is not h
 from __future__ import annotations
 
 import contextlib
+import http.client
 import importlib.util
 import logging
 import os
@@ -81,11 +82,14 @@ class StopFlag:
 
 
 def probe(url: str, timeout_s: float = 2.0) -> bool:
-    """Whether GET `url` answers 200 within `timeout_s`."""
+    """Whether GET `url` answers 200 within `timeout_s`; anything that is not an HTTP 200 answer is a no.
+
+    A probe that connected to itself (deploy/ports.py) reads its own request back as a bad status line.
+    """
     try:
         with urllib.request.urlopen(url, timeout=timeout_s) as response:
             return bool(response.status == 200)
-    except (urllib.error.URLError, OSError, ValueError):
+    except (urllib.error.URLError, http.client.HTTPException, OSError, ValueError):
         return False
 
 

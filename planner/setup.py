@@ -5,12 +5,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import socket
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import aiohttp
 
+from deploy.ports import free_ports
 from planner import modelinfo
 from synthetic import catalog
 from planner.client import served_model
@@ -46,11 +46,6 @@ def build_workload(options: WorkloadOptions, model: str | None) -> WorkloadSourc
     return loader(options.dataset, builder, options.output_tokens, options.ignore_eos)
 
 
-def free_port() -> int:
-    """A port nothing listens on now (another process could still take it before vLLM does)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass(frozen=True)
@@ -104,7 +99,7 @@ def launch_model(model: str, vllm_args: tuple[str, ...], gpu: bool) -> LaunchMod
 def _servers(cmd: ProfileCommand, launch: LaunchModel | None) -> ServerProvider:
     if cmd.url is not None or launch is None:
         return RunningServer(cmd.url or "")
-    return LaunchedServer(model=launch.source, port=cmd.port or free_port(), log_dir=cmd.sweep.out / "logs",
+    return LaunchedServer(model=launch.source, port=cmd.port or free_ports(), log_dir=cmd.sweep.out / "logs",
                           vllm_args=launch.vllm_args, cpu_kvcache_space_gib=cmd.cpu_kvcache_space_gib,
                           startup_timeout_s=cmd.startup_timeout_s, served_model_name=launch.served_name)
 

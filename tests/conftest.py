@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -88,12 +87,3 @@ async def until(condition: Callable[[], bool], timeout_s: float = 1.0) -> None:
         await asyncio.sleep(0.01)
 
 
-def port_bound(port: int) -> bool:
-    """Whether something listens on the port (a server restarting with SO_REUSEADDR could not bind)."""
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return True
-    return False

@@ -6,7 +6,6 @@ point is on disk)."""
 from __future__ import annotations
 
 import json
-import random
 import subprocess
 import sys
 import time
@@ -15,24 +14,16 @@ from pathlib import Path
 import pytest
 
 from planner.sources import load_profile
-from tests.conftest import port_bound
+from deploy.ports import free_ports
 
 pytestmark = pytest.mark.vllm
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def free_base() -> int:
-    for _ in range(200):
-        base = random.randint(20000, 60000)
-        if all(not port_bound(base + i) for i in (0, 1, 2, 50)):
-            return base
-    raise RuntimeError("no free ports")
-
-
 def test_quick_run_end_to_end_and_resume(tmp_path: Path) -> None:
     out = tmp_path / "quick"
-    command = [sys.executable, "-m", "bench.gpu_replication", "--quick", "--out", str(out), "--port", str(free_base()),
+    command = [sys.executable, "-m", "bench.gpu_replication", "--quick", "--out", str(out), "--port", str(free_ports(51)),
                "--gateway-workers", "2"]
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

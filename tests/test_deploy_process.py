@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import sys
 import time
 from pathlib import Path
@@ -11,15 +10,9 @@ from pathlib import Path
 import pytest
 
 from deploy.plan import Admission, ReplicaSpec
+from deploy.ports import free_ports, port_bound
 from deploy.process import (ManagedProcess, ProcessDied, StartupTimeout, VllmServer, group_alive, has_module, tail,
                             vllm_argv, vllm_env)
-from tests.conftest import port_bound
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def fake(port: int, log: Path, **kw: float) -> ManagedProcess:
@@ -29,7 +22,7 @@ def fake(port: int, log: Path, **kw: float) -> ManagedProcess:
 
 def test_context_manager_waits_for_health_and_frees_the_port(tmp_path: Path) -> None:
     """Entering returns once /health is 200; leaving kills the group and frees the port."""
-    port = free_port()
+    port = free_ports()
     with fake(port, tmp_path / "fake.log", startup_timeout_s=30) as proc:
         assert proc.healthy()
         pgid = proc.pid
@@ -80,7 +73,7 @@ def test_wait_ready_fails_fast_when_the_process_dies(tmp_path: Path) -> None:
 def test_wait_ready_times_out(tmp_path: Path) -> None:
     """A process that never gets healthy raises StartupTimeout and is stopped."""
     proc = ManagedProcess("mute", [sys.executable, "-c", "import time; time.sleep(60)"], tmp_path / "m.log",
-                          f"http://127.0.0.1:{free_port()}/health", startup_timeout_s=1.0)
+                          f"http://127.0.0.1:{free_ports()}/health", startup_timeout_s=1.0)
     with pytest.raises(StartupTimeout, match="within 1 s"):
         with proc:
             pass

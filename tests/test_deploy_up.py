@@ -24,6 +24,7 @@ import yaml
 from deploy import state as run_state
 from deploy.hardware import Hardware
 from deploy.launch import PlanOptions, default_plan, launches
+from deploy.ports import free_ports
 from deploy.process import StopFlag, group_alive
 from deploy.supervisor import Backoff
 from deploy.up import DeployError, UpConfig, run
@@ -40,19 +41,6 @@ os.execv({python!r}, [{python!r}, *args])
 """
 
 
-def free_base(n: int) -> int:
-    for port in range(30000 + os.getpid() % 1000 * 20, 65000, 7):
-        ok = True
-        for i in range(n):
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", port + i))
-                except OSError:
-                    ok = False
-                    break
-        if ok:
-            return port
-    raise RuntimeError("no free ports")
 
 
 @pytest.fixture
@@ -61,7 +49,7 @@ def config(tmp_path: Path) -> UpConfig:
     python.write_text(STAND_IN.format(python=sys.executable))
     python.chmod(python.stat().st_mode | stat.S_IXUSR)
     hardware = Hardware(gpus=(), cpus=(0, 1))
-    base = free_base(3)
+    base = free_ports(3)
     plan = default_plan(PlanOptions(model="fake-model", replicas=2, port=base), hardware)
     plan = replace(plan, replicas=tuple(replace(r, served_model_name="fake-model") for r in plan.replicas))
     env = {**os.environ, "PYTHONPATH": str(ROOT)}

@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 from openai import OpenAI
 
-from tests.conftest import port_bound
+from deploy.ports import free_ports, port_bound
 from tests.otlp_collector import Collector, otlp_collector
 
 pytestmark = pytest.mark.vllm
@@ -47,15 +47,6 @@ class Deployment:
 
     def client(self) -> OpenAI:
         return OpenAI(base_url=f"{self.url}/v1", api_key="none", max_retries=0, timeout=60)
-
-
-def free_ports(n: int) -> int:
-    """A base port with n free consecutive ports after it."""
-    for _ in range(200):
-        base = random.randint(20000, 60000)
-        if all(not port_bound(base + i) for i in range(n)):
-            return base
-    raise RuntimeError("no free ports")
 
 
 def log_tail(path: Path, n: int = 40) -> str:

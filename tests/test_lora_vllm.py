@@ -24,7 +24,8 @@ import pytest
 
 from deploy.tinylora import ensure_tiny_adapter
 from deploy.tinymodel import ensure_tiny_model
-from tests.test_deploy_vllm import Deployment, deployed, free_ports, wait_for
+from deploy.ports import free_ports
+from tests.test_deploy_vllm import Deployment, deployed, wait_for
 
 pytestmark = pytest.mark.vllm
 

@@ -18,9 +18,9 @@ import yaml
 from openai import OpenAI
 
 from deploy.plan import Plan, load
+from deploy.ports import free_ports
 from deploy.process import ManagedProcess
 from planner.cli import main
-from tests.test_planner_vllm import consecutive_free_ports
 
 pytestmark = pytest.mark.vllm
 
@@ -32,7 +32,7 @@ DATA = Path(__file__).resolve().parent.parent / "planner" / "data"
 def plan_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The two models' plan, from their profiles and traffic (a CPU plan: 12 GiB of RAM, 2 cores)."""
     directory = tmp_path_factory.mktemp("multimodel")
-    base = consecutive_free_ports(3)
+    base = free_ports(3)
     spec = {"device": "cpu", "memory_gib": 12, "cpus": 2, "gateway_port": base, "base_port": base + 1,
             "slo": {"p99_ttft_ms": 1000},
             "models": [

@@ -13,7 +13,7 @@ import pytest
 from deploy.process import ManagedProcess
 from planner.client import RequestResult, Timeouts
 from planner.multiclient import on_wall_clock, run_load_processes, split
-from planner.setup import free_port
+from deploy.ports import free_ports
 from planner.workload import RequestSpec
 
 
@@ -41,7 +41,7 @@ def test_results_move_onto_the_wall_clock() -> None:
 def test_processes_share_one_load_at_the_concurrency_asked(tmp_path: Path) -> None:
     """24 requests at 4 in flight from 2 processes: every one answered once, the replica saw exactly 4 at a
     time, and the results lie on one time axis (the wall clock of this run)."""
-    port = free_port()
+    port = free_ports()
     url = f"http://127.0.0.1:{port}"
     argv = [sys.executable, "-m", "tests.fake_replica", "--port", str(port), "--itl", "0.02"]
     with ManagedProcess("fake", argv, tmp_path / "fake.log", f"{url}/health", startup_timeout_s=30):

@@ -19,7 +19,7 @@ from planner.gpu import GpuSampler
 from planner.points import ProfileContext, Workload
 from planner.profiler import ProfileConfig, Profiler
 from planner.servers import LaunchedServer, RunningServer
-from planner.setup import free_port
+from deploy.ports import free_ports
 from planner.sources import load_profile, point_path
 from planner.stats import summarize
 from planner.vllm_metrics import parse_metrics
@@ -142,7 +142,7 @@ def test_steady_rate_counts_the_tokens_between_the_first_end_and_the_last_start(
 @pytest.fixture
 def fake_url(tmp_path: Path) -> Iterator[str]:
     """A FAKE replica in its own process (the CLI runs its own event loop)."""
-    port = free_port()
+    port = free_ports()
     argv = [sys.executable, "-m", "tests.fake_replica", "--port", str(port), "--itl", "0.002"]
     with ManagedProcess("fake", argv, tmp_path / "fake.log", f"http://127.0.0.1:{port}/health",
                         startup_timeout_s=30):

@@ -16,7 +16,7 @@ from deploy.plan import Admission, GatewaySpec, Plan, ReplicaSpec, load
 from deploy.process import ManagedProcess
 from planner.errors import PlannerError
 from planner.points import Latency
-from planner.setup import free_port
+from deploy.ports import free_ports
 from planner.stats import RunSummary
 from planner.validate import CountResult, ValidateConfig, Validator, best_count, explain_best, sub_plan
 from planner.workload import ApproximatePrompts, FixedLengths
@@ -57,7 +57,7 @@ def test_where_replication_does_not_pay_one_replica_is_kept_and_the_plan_says_wh
 
 
 def plan(n: int, model: str = "fake-model") -> Plan:
-    ports = [free_port() for _ in range(n + 1)]
+    ports = [free_ports() for _ in range(n + 1)]
     replicas = tuple(ReplicaSpec(name=f"r{i}", model=model, port=ports[i + 1], max_num_seqs=4,
                                  cpu_kvcache_space_gib=1.0, admission=Admission(max_requests=4)) for i in range(n))
     return Plan(model=model, replicas=replicas, gateway=GatewaySpec(port=ports[0], queue_size=64),

@@ -8,7 +8,6 @@ the vLLM CPU worker dies at the first request in eager mode, measured on vllm-cp
 
 from __future__ import annotations
 
-import socket
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,34 +16,16 @@ import pytest
 from openai import OpenAI
 
 from deploy.plan import Plan, load
+from deploy.ports import free_ports
 from deploy.process import ManagedProcess
 from deploy.tinymodel import ensure_tiny_model
 from planner.cli import main
 from planner.points import Profile
-from planner.setup import free_port
 from planner.sources import load_profile
 
 pytestmark = pytest.mark.vllm
 
 STARTUP_S = "300"
-
-
-def consecutive_free_ports(n: int) -> int:
-    """A port p such that p .. p+n-1 are free now (gateway, then the replicas)."""
-    for _ in range(100):
-        base = free_port()
-        if base + n < 65536 and all(port_is_free(base + i) for i in range(1, n)):
-            return base
-    raise RuntimeError(f"no {n} consecutive free ports")
-
-
-def port_is_free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +65,7 @@ def test_profile_points_are_real_measurements(profile: Profile, profile_dir: Pat
 @pytest.fixture(scope="module")
 def plan_file(profile_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("planner-plan") / "plan.yaml"
-    base = consecutive_free_ports(3)
+    base = free_ports(3)
     ports = ["--gateway-port", str(base), "--base-port", str(base + 1)]
     assert main(["plan", "--profile", str(profile_dir), "--out", str(path), *ports]) == 0
     return path

@@ -8,7 +8,6 @@ The official openai client talks to the gateway, which routes each request to th
 
 from __future__ import annotations
 
-import random
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,9 +16,9 @@ import pytest
 from openai import OpenAI
 
 from deploy.plan import Admission, GatewaySpec, Plan, ReplicaSpec, dump
+from deploy.ports import free_ports
 from deploy.process import ManagedProcess
 from synthetic.build import ensure_synthetic_model
-from tests.conftest import port_bound
 
 pytestmark = pytest.mark.vllm
 
@@ -27,19 +26,11 @@ STARTUP_S = 300
 MODELS = {"synthetic:opt-125m": "synthetic-opt-125m", "synthetic:qwen3-0.6b": "synthetic-qwen3-0.6b"}
 
 
-def free_base(n: int) -> int:
-    for _ in range(200):
-        base = random.randint(20000, 60000)
-        if all(not port_bound(base + i) for i in range(n)):
-            return base
-    raise RuntimeError("no free ports")
-
-
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Plan, Path]]:
     """`deploy up --plan` with one replica of each synthetic model; the gateway's URL once /ready answers."""
     directory = tmp_path_factory.mktemp("synthetic-vllm")
-    base = free_base(3)
+    base = free_ports(3)
     replicas = tuple(ReplicaSpec(name=f"r{i}", model=model, port=base + 1 + i, max_num_seqs=4, max_model_len=512,
                                  cpu_kvcache_space_gib=1.0, admission=Admission(max_requests=4))
                      for i, model in enumerate(MODELS))
