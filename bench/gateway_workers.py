@@ -25,8 +25,9 @@ import tempfile
 from contextlib import ExitStack
 from pathlib import Path
 
+from deploy.ports import free_ports
 from .common import ROOT
-from .gateway_overhead import free_port, process, wrk
+from .gateway_overhead import process, wrk
 
 CHUNKS = 64
 
@@ -70,14 +71,14 @@ def main() -> None:
     with ExitStack() as stack:
         replicas = []
         for _ in range(args.replicas):
-            port = free_port()
+            port = free_ports()
             url = f"http://127.0.0.1:{port}"
             stack.enter_context(process([sys.executable, "bench/fast_replica.py", "--port", str(port)],
                                         url + "/health"))
             replicas.append({"url": url, "max_requests": 100000, "max_outstanding_tokens": 10**9})
         gateways = {}
         for n in counts:
-            port = free_port()
+            port = free_ports()
             config = Path(tempfile.mkdtemp()) / "gateway.yaml"
             config.write_text(json.dumps({
                 "replicas": replicas, "port": port, "host": "127.0.0.1", "workers": n, "log_level": "warning",

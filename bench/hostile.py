@@ -34,7 +34,8 @@ from typing import Any
 
 import aiohttp
 
-from bench.gateway_overhead import ROOT, cpu_seconds, fixed_rate, free_port, pct, process, wrk
+from deploy.ports import free_ports
+from bench.gateway_overhead import ROOT, cpu_seconds, fixed_rate, pct, process, wrk
 
 PROBES = ("/etc/passwd", "/proc/self/environ", "/root/.ssh/id_rsa", "../../etc/shadow", "/dev/zero", "/tmp")
 
@@ -184,7 +185,7 @@ def main() -> None:
     if not shutil.which("wrk"):
         sys.exit("bench: wrk is needed (Debian/Ubuntu: apt-get install wrk)")
 
-    replica_port, gateway_port = free_port(), free_port()
+    replica_port, gateway_port = free_ports(), free_ports()
     direct, url = f"http://127.0.0.1:{replica_port}", f"http://127.0.0.1:{gateway_port}"
     config = Path(tempfile.mkdtemp()) / "gateway.yaml"
     settings: dict[str, Any] = {"replicas": [direct], "port": gateway_port, "host": "127.0.0.1", "log_level": "warning"}

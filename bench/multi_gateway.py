@@ -33,6 +33,7 @@ from typing import Any
 import aiohttp
 import numpy as np
 
+from deploy.ports import free_ports
 from sim.fleet import capacity, saturation_sample
 from sim.gpus import parse_gpu_spec
 from sim.model import load_model
@@ -40,7 +41,7 @@ from sim.node import NodeSpec
 from sim.workload import RequestSpec, mixed, poisson_arrivals
 
 from .common import markdown_table, save
-from .feedback_cost import free_port, started
+from .gateway_overhead import process
 
 MODEL, GPU, REPLICAS, BATCH, UTIL = "opt-1.3b", "memory_gib=64,bandwidth_gbps=500,tflops=300", 4, 64, 0.225
 SERVED = "facebook/opt-1.3b"
@@ -50,35 +51,19 @@ def node() -> NodeSpec:
     return NodeSpec(load_model(MODEL), parse_gpu_spec(GPU), REPLICAS, BATCH, UTIL)
 
 
-def free_ports(count: int) -> int:
-    """A port P with P..P+count-1 free."""
-    import socket
-
-    for _ in range(100):
-        base = free_port()
-        try:
-            for p in range(base, base + count):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", p))
-        except OSError:
-            continue
-        return base
-    raise RuntimeError("no free run of ports")
-
-
 @contextlib.contextmanager
 def gateways(replicas: list[str], count: int, feedback: dict[str, Any]) -> Iterator[list[str]]:
     with contextlib.ExitStack() as stack:
         urls = []
         for _ in range(count):
-            port = free_port()
+            port = free_ports()
             path = Path(tempfile.mkdtemp()) / "gateway.yaml"
             path.write_text(json.dumps({"replicas": replicas, "host": "127.0.0.1", "port": port,
                                         "log_level": "warning", "health": {"interval_s": 2, "timeout_s": 2},
                                         "timeouts": {"connect_s": 5, "first_byte_s": 300, "idle_s": 120},
                                         "feedback": feedback}))
             url = f"http://127.0.0.1:{port}"
-            stack.enter_context(started([sys.executable, "-m", "gateway.cli", "serve", "--config", str(path)],
+            stack.enter_context(process([sys.executable, "-m", "gateway.cli", "serve", "--config", str(path)],
                                         url + "/ready"))
             urls.append(url)
         yield urls
@@ -175,7 +160,7 @@ def main() -> None:
     sim_argv = [sys.executable, "-m", "sim.cli", "serve", "--model", MODEL, "--gpu-spec", GPU, "--replicas",
                 str(REPLICAS), "--max-num-seqs", str(BATCH), "--gpu-memory-utilization", str(UTIL), "--port",
                 str(base), "--served-model-name", SERVED, "--log-level", "warning"]
-    with started(sim_argv, replica_urls[-1] + "/health"):
+    with process(sim_argv, replica_urls[-1] + "/health"):
         for g, fb in configs:
             feedback = {"enabled": fb, "interval_s": args.interval}
             with gateways(replica_urls, g, feedback) as urls:

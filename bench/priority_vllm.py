@@ -30,8 +30,8 @@ from typing import Any
 
 import numpy as np
 
+from deploy.ports import free_ports
 from bench.common import RESULTS
-from bench.gateway_overhead import free_port
 from bench.priority_load import compare, phase
 from deploy.hardware import cpu_list, usable_cpus
 from deploy.plan import ReplicaSpec
@@ -46,7 +46,7 @@ BASE = {"priority": "alone", "tenants": "alone", "direct": "direct alone"}  # ea
 def replica_server(log: Path, cpus: tuple[int, ...] = ()) -> VllmServer:
     """The replica of tests/test_priority_vllm.py and of this benchmark, not yet started (a context manager), on
     `cpus` (default: every core this process may use)."""
-    spec = ReplicaSpec(name="priority", model=str(ensure_tiny_model()), port=free_port(), max_num_seqs=8,
+    spec = ReplicaSpec(name="priority", model=str(ensure_tiny_model()), port=free_ports(), max_num_seqs=8,
                        max_model_len=512, cpu_kvcache_space_gib=1, served_model_name=MODEL,
                        extra_args=("--scheduling-policy", "priority"))
     cpus = cpus or usable_cpus()

@@ -21,8 +21,9 @@ import time
 from contextlib import ExitStack
 from pathlib import Path
 
+from deploy.ports import free_ports
 from bench.common import RESULTS
-from bench.gateway_overhead import free_port, wrk
+from bench.gateway_overhead import wrk
 from bench.gateway_peers import KEY, PACED_MS, _ours, cpus, fake_replicas, pinned, started
 
 SCENARIOS = {
@@ -60,7 +61,7 @@ def main() -> None:
     lines = []
     with ExitStack() as stack:
         replicas = fake_replicas(stack, 2, load_cores, workdir)
-        port = free_port()
+        port = free_ports()
         url = f"http://127.0.0.1:{port}"
         gateway = stack.enter_context(started(pinned(_ours(port, replicas, workdir), gateway_core), url,
                                               workdir / "gateway.log"))

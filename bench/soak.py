@@ -29,7 +29,6 @@ import math
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -48,6 +47,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bench.chaos import Fault, Injector, Receipt, ReplicaProcess, fault_plan, spawn
 from bench.common import markdown_table
+from deploy.ports import free_ports
 from bench.soak_clients import MALFORMED, SLOW_TOKENS, Clients, Outcome, RequestShape
 from sim.fleet import capacity
 from sim.gpus import parse_gpu_spec
@@ -146,12 +146,6 @@ class Report:
 
 
 # -- the processes -------------------------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def replica_argv(port: int, seed: int) -> list[str]:
     return [sys.executable, "-m", "sim.cli", "serve", "--model", MODEL, "--gpu-spec", GPU_SPEC, "--replicas", "1",
             "--port", str(port), "--max-num-seqs", str(MAX_NUM_SEQS), "--seed", str(seed), "--log-level", "warning",
@@ -300,7 +294,7 @@ class Soak:
 
     async def start(self) -> None:
         for i in range(self.config.replicas):
-            port = free_port()
+            port = free_ports()
             replica = ReplicaProcess(i, port, replica_argv(port, self.config.seed + i), self.logs / f"replica-{i}.log")
             replica.start()
             self.replicas.append(replica)
@@ -310,7 +304,7 @@ class Soak:
                                 rng=random.Random(self.config.seed * 1000 + replica.index))
             await injector.start()
             self.injectors.append(injector)
-        port = free_port()
+        port = free_ports()
         config_path = self.logs / "gateway.yaml"
         config_path.write_text(yaml.safe_dump(gateway_config(port, self.injectors)))
         self.gateway = GatewayProcess(config_path, port, self.config.workers, self.logs / "gateway.log")
