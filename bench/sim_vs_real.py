@@ -67,7 +67,7 @@ from typing import Any
 import numpy as np
 import yaml
 
-from deploy.process import REPLICA_NICE
+from deploy.process import REPLICA_NICE, probe
 from deploy.tinymodel import ensure_tiny_model
 
 from .common import figure_path, machine_speed, markdown_table, pyplot, save
@@ -148,11 +148,9 @@ def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout_s: float, log: P
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"{url}: the process exited ({proc.returncode}); see {log}")
-        try:
-            get(url, 2.0)
+        if probe(url, 2.0):
             return
-        except OSError:
-            time.sleep(1.0)
+        time.sleep(1.0)
     raise RuntimeError(f"{url} not ready after {timeout_s:.0f} s; see {log}")
 
 

@@ -13,8 +13,9 @@ import aiohttp
 import pytest
 import yaml
 
+from deploy.ports import free_ports
 from tests.conftest import FakeFactory, GatewayFactory, GatewayUnderTest
-from tests.test_gateway_workers import ServeFactory, _wait, free_port, serve, short  # noqa: F401  (serve: fixture)
+from tests.test_gateway_workers import ServeFactory, _wait, serve, short  # noqa: F401  (serve: fixture)
 
 ADMIN = "sk-admin-test"
 AUTH = {"Authorization": f"Bearer {ADMIN}"}
@@ -194,7 +195,7 @@ async def test_sighup_reloads_replicas_and_keeps_the_old_config_when_the_new_one
         fake_replica: FakeFactory, tmp_path: Path) -> None:
     """One process: SIGHUP adds, removes and reweights replicas from the file; a bad file changes nothing."""
     a, b, c = await fake_replica(), await fake_replica(), await fake_replica()
-    port = free_port()
+    port = free_ports()
     path = tmp_path / "gateway.yaml"
     config = {"host": "127.0.0.1", "port": port, "admin_key": ADMIN, "log_level": "warning",
               "health": {"interval_s": 0.2, "timeout_s": 1},

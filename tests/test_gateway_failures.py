@@ -4,22 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 
 import aiohttp
 import openai
 import pytest
 
+from deploy.ports import free_ports
 from tests.conftest import FakeFactory, GatewayFactory, mark_healthy, until
 
 BODY = {"model": "fake-model", "prompt": "hello", "max_tokens": 4}
 
 
 def closed_port_url() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return f"http://127.0.0.1:{port}"
+    return f"http://127.0.0.1:{free_ports()}"
 
 
 async def test_503_is_retried_on_another_replica(fake_replica: FakeFactory, gateway_for: GatewayFactory) -> None:

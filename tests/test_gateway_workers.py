@@ -21,16 +21,11 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from deploy.ports import free_ports
 from tests.conftest import FakeFactory
 
 ROOT = Path(__file__).resolve().parent.parent
 SHORT = {"model": "fake-model", "prompt": "hi", "max_tokens": 4}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass
@@ -75,7 +70,7 @@ async def serve(tmp_path: Path) -> AsyncIterator[ServeFactory]:
     started: list[Served] = []
 
     async def start(replicas: list[Any], workers: int = 2, **settings: Any) -> Served:
-        port = free_port()
+        port = free_ports()
         config = tmp_path / f"gateway-{port}.yaml"
         settings.setdefault("health", {"interval_s": 0.2, "timeout_s": 1})
         config.write_text(yaml.safe_dump({"replicas": replicas, "host": "127.0.0.1", "port": port,

@@ -7,7 +7,6 @@ import csv
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,17 +20,12 @@ from typing import Any
 import numpy as np
 import pytest
 
+from deploy.ports import free_ports
 from loadtest.schedules import poisson
 
 REPO = Path(__file__).resolve().parents[1]
 RATE, DURATION, SEED = 20.0, 5.0, 1
 TTFT_S, ITL_S, OUTPUT_LEN = 0.5, 0.05, 30  # about 2 s per response: ~40 in flight at 20 req/s
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _get(url: str) -> tuple[int, bytes]:
@@ -74,7 +68,7 @@ def _server(argv: list[str], ready_url: str, timeout: float = 20.0) -> Iterator[
 
 @contextmanager
 def _fake(*flags: str) -> Iterator[str]:
-    port = _free_port()
+    port = free_ports()
     url = f"http://127.0.0.1:{port}"
     with _server([sys.executable, "-m", "tests.fake_replica", "--port", str(port), *flags], url + "/health"):
         yield url
@@ -89,7 +83,7 @@ def slow_replicas() -> Iterator[list[str]]:
 
 @pytest.fixture(scope="module")
 def gateway(slow_replicas: list[str]) -> Iterator[str]:
-    port = _free_port()
+    port = free_ports()
     replicas = [arg for url in slow_replicas for arg in ("--replica", url)]
     argv = [sys.executable, "-m", "gateway.cli", "serve", *replicas, "--host", "127.0.0.1", "--port", str(port)]
     with _server(argv, f"http://127.0.0.1:{port}/ready"):

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ import pytest
 from aiohttp.test_utils import TestServer
 from prometheus_client.parser import text_string_to_metric_families
 
+from deploy.ports import free_ports
 from sim.clock import LoopClock
 from sim.gpus import get_gpu
 from sim.model import load_model
@@ -188,24 +188,9 @@ async def test_through_the_gateway(sim_replicas: SimFactory, gateway_for: Gatewa
     assert {replica for replica, _ in results} == set(urls)
 
 
-def _free_port_pair() -> int:
-    for _ in range(50):
-        with socket.socket() as a:
-            a.bind(("127.0.0.1", 0))
-            port = a.getsockname()[1]
-        if port < 65535:
-            with socket.socket() as b:
-                try:
-                    b.bind(("127.0.0.1", port + 1))
-                except OSError:
-                    continue
-            return int(port)
-    raise RuntimeError("no two free consecutive ports")
-
-
 async def test_sim_serve_command_serves_n_replicas_on_consecutive_ports() -> None:
     """`sim serve --replicas 2 --port P` answers on P and P+1 and stops on SIGTERM."""
-    port = _free_port_pair()
+    port = free_ports(2)
     proc = subprocess.Popen([sys.executable, "-m", "sim.cli", "serve", "--model", "opt-125m", "--gpu", "A100-40GB",
                              "--replicas", "2", "--port", str(port), "--max-num-seqs", "64"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
