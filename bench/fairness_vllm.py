@@ -31,9 +31,9 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -42,12 +42,14 @@ import httpx
 import numpy as np
 import yaml
 
-from deploy.ports import free_ports
 from bench.common import RESULTS
 from bench.fairness import BATCH_LOAD, BOUND, HEAVY, INTERACTIVE, LIGHT
+from bench.otlp_collector import Span, SpoolCollector, spooling_collector
 from bench.priority_load import gateway_mapping
 from bench.priority_vllm import MODEL, add_replica_cpus, open_replica, replica_cores, unwind_on_sigterm
 from bench.soak import GatewayProcess
+from bench.tail_parts import Parts, medians, new_trace, split, table
+from deploy.ports import free_ports
 from sim.workload import poisson_arrivals
 
 ENGINE_SEQS = 8  # replica_server's --max-num-seqs
@@ -74,6 +76,16 @@ class Shot:
     arrival: Arrival
     ttft: float | None
     status: int | None = None
+    late: float | None = None  # seconds this process sent it after its arrival time (its own loop's lag)
+    trace: str | None = None  # its trace id, when traced
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Where one answered request's time went, as this process saw it."""
+
+    late: float
+    ttft: float
 
 
 class Refused(RuntimeError):
@@ -107,12 +119,16 @@ def session(timeout_s: float) -> aiohttp.ClientSession:
                                  timeout=aiohttp.ClientTimeout(total=timeout_s))
 
 
-async def send(client: aiohttp.ClientSession, base_url: str, arrival: Arrival) -> float:
-    """Seconds from sending `arrival` to its first SSE event, reading the stream to its end; raises on non-200."""
+async def send(client: aiohttp.ClientSession, base_url: str, arrival: Arrival, due: float | None = None,
+               traceparent: str | None = None) -> Timing:
+    """Seconds from sending `arrival` to its first SSE event (and how late it was sent after `due`, a monotonic
+    time), reading the stream to its end; raises on non-200."""
     started = time.monotonic()
     ttft = None
-    async with client.post(base_url + "/completions", json=body(arrival),
-                           headers={"x-priority": arrival.band, "x-tenant": arrival.tenant}) as answer:
+    headers = {"x-priority": arrival.band, "x-tenant": arrival.tenant}
+    if traceparent is not None:
+        headers["traceparent"] = traceparent
+    async with client.post(base_url + "/completions", json=body(arrival), headers=headers) as answer:
         if answer.status != 200:
             raise Refused(answer.status, await answer.read())
         async for line in answer.content:
@@ -120,29 +136,31 @@ async def send(client: aiohttp.ClientSession, base_url: str, arrival: Arrival) -
                 ttft = time.monotonic() - started
     if ttft is None:
         raise RuntimeError("the stream ended without an event")
-    return ttft
+    return Timing(0.0 if due is None else max(0.0, started - due), ttft)
 
 
-async def drive(base_url: str, schedule: list[Arrival], protected: set[str]) -> list[Shot]:
+async def drive(base_url: str, schedule: list[Arrival], protected: set[str], traced: bool = False) -> list[Shot]:
     """Send `schedule` open loop; once every request of the `protected` tenants has ended (DRAIN_S after the last
-    arrival at most), cut off the others still running or queued. A protected request that fails raises."""
+    arrival at most), cut off the others still running or queued. A protected request that fails raises. With
+    `traced`, each protected request starts a sampled trace of its own (bench/tail_parts.py)."""
     gc.collect()
     gc.disable()  # no collector pause in the clock that times the requests (hundreds of a flood's are open)
     try:
-        return await _drive(base_url, schedule, protected)
+        return await _drive(base_url, schedule, protected, traced)
     finally:
         gc.enable()
 
 
-async def _drive(base_url: str, schedule: list[Arrival], protected: set[str]) -> list[Shot]:
+async def _drive(base_url: str, schedule: list[Arrival], protected: set[str], traced: bool) -> list[Shot]:
+    traces = [new_trace() if traced and a.tenant in protected else (None, None) for a in schedule]
     async with session(DRAIN_S + 60) as client:
         start = time.monotonic()
 
-        async def one(arrival: Arrival) -> float:
+        async def one(arrival: Arrival, traceparent: str | None) -> Timing:
             await asyncio.sleep(max(0.0, start + arrival.at - time.monotonic()))
-            return await send(client, base_url, arrival)
+            return await send(client, base_url, arrival, start + arrival.at, traceparent)
 
-        tasks = [asyncio.create_task(one(a)) for a in schedule]
+        tasks = [asyncio.create_task(one(a, parent)) for a, (_, parent) in zip(schedule, traces)]
         mine = [t for t, a in zip(tasks, schedule) if a.tenant in protected]
         end = max(a.at for a in schedule) + DRAIN_S
         try:
@@ -151,8 +169,9 @@ async def _drive(base_url: str, schedule: list[Arrival], protected: set[str]) ->
             for task in tasks:
                 task.cancel()
             results = await asyncio.gather(*tasks, return_exceptions=True)
-    return [Shot(a, r if isinstance(r, float) else None, r.status if isinstance(r, Refused) else None)
-            for a, r in zip(schedule, results)]
+    return [Shot(a, r.ttft, None, r.late, trace) if isinstance(r, Timing)
+            else Shot(a, None, r.status if isinstance(r, Refused) else None, None, trace)
+            for a, r, (trace, _) in zip(schedule, results, traces)]
 
 
 async def capacity(replica: str, seconds: float, rng: np.random.Generator) -> float:
@@ -196,12 +215,13 @@ async def idle(replica: str, timeout_s: float = 60.0) -> None:
     await asyncio.sleep(1.0)
 
 
-async def one_case(replica: str, url: str, light: list[Arrival], flood: list[Arrival]) -> dict[str, Any]:
+async def one_case(replica: str, url: str, light: list[Arrival], flood: list[Arrival],
+                   traced: bool = False) -> dict[str, Any]:
     """The light requests alone, then with the flood: their TTFTs and p99s, and the flood's own count."""
     names = {a.tenant for a in light}
-    alone = await drive(url, light, names)
+    alone = await drive(url, light, names, traced)
     await idle(replica)
-    both = await drive(url, sorted(light + flood, key=lambda a: a.at), names)
+    both = await drive(url, sorted(light + flood, key=lambda a: a.at), names, traced)
     await idle(replica)
     flood_names = {a.tenant for a in flood}
     return {"alone_p99": p99(alone, names), "flood_p99": p99(both, names),
@@ -209,18 +229,25 @@ async def one_case(replica: str, url: str, light: list[Arrival], flood: list[Arr
             "flood_started": sum(1 for s in both if s.arrival.tenant in flood_names and s.ttft is not None),
             "flood_refused": sum(1 for s in both if s.arrival.tenant in flood_names and s.status == 429),
             "flood_sent": len(flood),
-            "alone_ttft": [s.ttft for s in alone], "flood_ttft": [s.ttft for s in both if s.arrival.tenant in names]}
+            "alone_ttft": [s.ttft for s in alone], "flood_ttft": [s.ttft for s in both if s.arrival.tenant in names],
+            "flood_late": [s.late for s in both if s.arrival.tenant in names],
+            "flood_at": [round(s.arrival.at, 4) for s in both if s.arrival.tenant in names],
+            **({"alone_trace": [s.trace for s in alone],
+                "flood_trace": [s.trace for s in both if s.arrival.tenant in names]} if traced else {})}
 
 
 @contextlib.asynccontextmanager
-async def gateway_process(replica: str, cap: int, headroom: int, workdir: Path,
-                          queue_size: int = 1000) -> AsyncIterator[str]:
+async def gateway_process(replica: str, cap: int, headroom: int, workdir: Path, queue_size: int = 1000,
+                          trace_url: str | None = None) -> AsyncIterator[str]:
     """`gateway serve` in its own process, as deploy runs it, in front of `replica` (bench.priority_load's settings:
-    bands, fair tenants, `cap` with `headroom`, a queue of `queue_size`): its /v1 URL."""
+    bands, fair tenants, `cap` with `headroom`, a queue of `queue_size`; spans of the requests whose client
+    sampled a trace to `trace_url`): its /v1 URL."""
     port = free_ports()
     config = workdir / "gateway.yaml"
     data = gateway_mapping(replica, cap, headroom)
     data["queue"]["max_size"] = queue_size
+    if trace_url is not None:
+        data["tracing"] = {"endpoint": trace_url, "sampling_ratio": 0.0}  # parent-based: the client's choice
     config.write_text(yaml.safe_dump(data | {"port": port, "log_level": "warning"}))
     gw = GatewayProcess(config, port, None, workdir / "gateway.log")
     gw.start()
@@ -231,11 +258,14 @@ async def gateway_process(replica: str, cap: int, headroom: int, workdir: Path,
         gw.stop()
 
 
-async def measure(replica: str, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+async def measure(replica: str, args: argparse.Namespace, workdir: Path,
+                  collector: SpoolCollector | None = None) -> dict[str, Any]:
     cap = await capacity(replica, args.capacity_seconds, np.random.default_rng(10_000))
     print(f"capacity C = {cap:.1f} requests/s ({ENGINE_SEQS} clients straight to the replica)", file=sys.stderr)
     seeds: dict[int, dict[str, Any]] = {}
-    async with gateway_process(replica, args.cap, args.headroom, workdir) as url:
+    traced = collector is not None
+    async with gateway_process(replica, args.cap, args.headroom, workdir,
+                               trace_url=collector.url if collector is not None else None) as url:
         for seed in range(args.seeds):
             rng = np.random.default_rng(seed)
             light = sorted((a for i in range(3)
@@ -245,12 +275,32 @@ async def measure(replica: str, args: argparse.Namespace, workdir: Path) -> dict
             interactive = arrivals("interactive", "interactive", INTERACTIVE * cap, args.seconds,
                                    np.random.default_rng(seed + 2000))
             batch = arrivals("batch", "batch", BATCH_LOAD * cap, args.seconds, np.random.default_rng(seed + 3000))
-            seeds[seed] = {"tenants": await one_case(replica, url, light, heavy),
-                           "priority": await one_case(replica, url, interactive, batch)}
+            seeds[seed] = {"tenants": await one_case(replica, url, light, heavy, traced),
+                           "priority": await one_case(replica, url, interactive, batch, traced)}
             print(f"seed {seed}: " + ", ".join(
                 f"{case} {r['alone_p99'] * 1e3:.0f} -> {r['flood_p99'] * 1e3:.0f} ms ({r['ratio']:.2f} x)"
                 for case, r in seeds[seed].items()), file=sys.stderr)
+    if collector is not None:
+        await asyncio.to_thread(attach_parts, seeds, collector.spans)
     return {"capacity": cap, "seeds": seeds}
+
+
+def attach_parts(seeds: dict[int, dict[str, Any]], spans: Callable[[], list[Span]], timeout_s: float = 30.0) -> None:
+    """Each traced request's `Parts` (or None where a span is missing) beside its TTFT, once the exporters have
+    sent what they hold (they send in batches, every few seconds)."""
+    records = [r for s in seeds.values() for r in s.values()]
+    wanted = {trace: ttft for r in records for phase in ("alone", "flood")
+              for trace, ttft in zip(r[f"{phase}_trace"], r[f"{phase}_ttft"]) if trace and ttft is not None}
+    deadline = time.monotonic() + timeout_s
+    while True:
+        found = split(spans(), wanted)
+        if len(found) == len(wanted) or time.monotonic() > deadline:
+            break
+        time.sleep(1.0)
+    print(f"spans for {len(found)} of {len(wanted)} traced requests", file=sys.stderr)
+    for r in records:
+        for phase in ("alone", "flood"):
+            r[f"{phase}_parts"] = [asdict(found[t]) if t in found else None for t in r[f"{phase}_trace"]]
 
 
 def summary(seeds: dict[int, dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -262,8 +312,23 @@ def summary(seeds: dict[int, dict[str, Any]]) -> dict[str, dict[str, Any]]:
         flood = float(np.percentile([t for r in runs for t in r["flood_ttft"] if t is not None], 99))
         out[case] = {"median_ratio": float(statistics.median(r["ratio"] for r in runs)),
                      "seed_ratios": [r["ratio"] for r in runs], "pooled_alone_p99": alone,
-                     "pooled_flood_p99": flood, "pooled_ratio": flood / alone}
+                     "pooled_flood_p99": flood, "pooled_ratio": flood / alone,
+                     "late_max": max((x for r in runs for x in r.get("flood_late", ()) if x is not None), default=0.0)}
+        if all("alone_parts" in r for r in runs):
+            out[case]["parts"] = where_time_went(runs, alone)
     return out
+
+
+def where_time_went(runs: list[dict[str, Any]], bound: float) -> dict[str, tuple[int, dict[str, float]]]:
+    """The median parts (bench/tail_parts.py) of the protected requests alone, and with the flood: those within
+    `bound` (the pooled p99 alone) and those slower."""
+    def parts(phase: str, keep: Any) -> list[Parts]:
+        return [Parts(**p) for r in runs for p, ttft in zip(r[f"{phase}_parts"], r[f"{phase}_ttft"])
+                if p is not None and ttft is not None and keep(ttft)]
+
+    groups = {"alone": parts("alone", lambda t: True), "with the flood, within": parts("flood", lambda t: t <= bound),
+              "with the flood, slower": parts("flood", lambda t: t > bound)}
+    return {label: (len(found), medians(found)) for label, found in groups.items()}
 
 
 def report(result: dict[str, Any]) -> str:
@@ -276,6 +341,13 @@ def report(result: dict[str, Any]) -> str:
         lines.append(f"| {case} | {s['pooled_alone_p99'] * 1e3:.1f} ms | {s['pooled_flood_p99'] * 1e3:.1f} ms "
                      f"| {s['pooled_ratio']:.2f} | {', '.join(f'{r:.2f}' for r in s['seed_ratios'])} "
                      f"| **{s['median_ratio']:.2f}** |")
+    lines += ["", "The load's requests went out at most " + ", ".join(
+        f"{s['late_max'] * 1e3:.1f} ms late ({case})" for case, s in result["summary"].items()) + "."]
+    for case, s in result["summary"].items():
+        if "parts" in s:
+            lines += ["", f"Where the {case} case's protected requests' time to first token went (medians, ms; "
+                      "bench/tail_parts.py; 'within'/'slower': than the pooled p99 alone):", "",
+                      *table({label: (n, m) for label, (n, m) in s["parts"].items()})]
     return "\n".join(lines)
 
 
@@ -289,17 +361,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cap", type=int, default=6, help="max_requests on the replica in the gateway")
     parser.add_argument("--headroom", type=int, default=4, help="queue.headroom")
     add_replica_cpus(parser)
+    parser.add_argument("--trace", action="store_true", help="trace every protected request through the gateway "
+                        "into vLLM and report where their time went (the replica this starts; not with --replica)")
     parser.add_argument("--out", type=Path, default=RESULTS / "fairness_vllm.json")
     args = parser.parse_args(argv)
     if args.seeds < 1 or args.seconds <= 0 or not 0 <= args.headroom < args.cap:
         parser.error("--seeds must be at least 1, --seconds positive, and 0 <= --headroom < --cap")
+    if args.trace and args.replica:
+        parser.error("--trace starts its own replica, with vLLM's tracing on: not with --replica")
     cores = replica_cores(parser, args.replica_cpus)
     unwind_on_sigterm()
     started = time.monotonic()
     workdir = Path(tempfile.mkdtemp(prefix="fairness-vllm-"))
     with ExitStack() as stack:
-        replica = open_replica(stack, args.replica, cores, workdir / "vllm.log")  # the gateway starts after: ours
-        measured = asyncio.run(measure(replica, args, workdir))
+        collector = stack.enter_context(spooling_collector(workdir / "spans")) if args.trace else None
+        replica = open_replica(stack, args.replica, cores, workdir / "vllm.log",  # the gateway starts after: ours
+                               trace_url=collector.url if collector is not None else None)
+        measured = asyncio.run(measure(replica, args, workdir, collector))
     result = {"command": " ".join(["python -m bench.fairness_vllm", *(argv if argv is not None else sys.argv[1:])]),
               "seconds": args.seconds, "cap": args.cap, "headroom": args.headroom,
               "replica_cpus": list(cores[0]),

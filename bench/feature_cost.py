@@ -30,9 +30,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from deploy.ports import free_ports
 from bench.common import markdown_table, save, worktree
 from bench.gateway_overhead import cpu_seconds, fixed_rate, pct, process, wait_ready
+from deploy.ports import free_ports
 
 # name -> the config sections that turn the feature on (SINK: the span sink's URL)
 SINK = "<sink>"

@@ -20,6 +20,7 @@ import tempfile
 import time
 
 from deploy.ports import free_ports
+
 from .common import ROOT
 from .gateway_overhead import cpu_seconds, process
 

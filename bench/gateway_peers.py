@@ -52,10 +52,10 @@ from typing import Any
 
 import psutil
 
-from deploy.ports import free_ports
 from bench.common import RESULTS, markdown_table, worktree
 from bench.gateway_overhead import ROOT, fixed_rate, pct, wrk
 from bench.gpu.cpu import tree_cpu_seconds
+from deploy.ports import free_ports
 
 PEERS_DIR = ROOT / "runs" / "peers"
 KEY = "sk-bench"

@@ -26,6 +26,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 from deploy.ports import free_ports
+
 from .common import ROOT
 from .gateway_overhead import process, wrk
 

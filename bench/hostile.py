@@ -34,8 +34,8 @@ from typing import Any
 
 import aiohttp
 
-from deploy.ports import free_ports
 from bench.gateway_overhead import ROOT, cpu_seconds, fixed_rate, pct, process, wrk
+from deploy.ports import free_ports
 
 PROBES = ("/etc/passwd", "/proc/self/environ", "/root/.ssh/id_rsa", "../../etc/shadow", "/dev/zero", "/tmp")
 

@@ -30,9 +30,9 @@ from typing import Any
 
 import numpy as np
 
-from deploy.ports import free_ports
 from bench.common import RESULTS
 from bench.priority_load import compare, phase
+from deploy.ports import free_ports
 from deploy.hardware import cpu_list, usable_cpus
 from deploy.plan import ReplicaSpec
 from deploy.process import VllmServer
@@ -43,14 +43,17 @@ PHASES = ("alone", "priority", "tenants", "direct alone", "direct")
 BASE = {"priority": "alone", "tenants": "alone", "direct": "direct alone"}  # each ratio's denominator
 
 
-def replica_server(log: Path, cpus: tuple[int, ...] = ()) -> VllmServer:
+def replica_server(log: Path, cpus: tuple[int, ...] = (), trace_url: str | None = None) -> VllmServer:
     """The replica of tests/test_priority_vllm.py and of this benchmark, not yet started (a context manager), on
-    `cpus` (default: every core this process may use)."""
+    `cpus` (default: every core this process may use); with `trace_url`, exporting its spans there (OTLP/HTTP)."""
+    tracing = ("--otlp-traces-endpoint", trace_url) if trace_url else ()
     spec = ReplicaSpec(name="priority", model=str(ensure_tiny_model()), port=free_ports(), max_num_seqs=8,
                        max_model_len=512, cpu_kvcache_space_gib=1, served_model_name=MODEL,
-                       extra_args=("--scheduling-policy", "priority"))
+                       extra_args=("--scheduling-policy", "priority", *tracing))
     cpus = cpus or usable_cpus()
     env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": cpu_list(cpus)}
+    if trace_url:
+        env |= {"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf", "OTEL_SERVICE_NAME": "vllm"}
     return VllmServer(spec, log, env, startup_timeout_s=420, cpus=cpus)
 
 
@@ -77,13 +80,15 @@ def replica_cores(parser: argparse.ArgumentParser, spec: str) -> tuple[tuple[int
         parser.error(str(exc))
 
 
-def open_replica(stack: ExitStack, url: str | None, cores: tuple[tuple[int, ...], set[int]], log: Path) -> str:
-    """`url`, or the URL of `replica_server` started on `cores`' first part (entered on `stack`); with cores
-    given, this process then keeps to the rest (after the start: the replica keeps its own)."""
+def open_replica(stack: ExitStack, url: str | None, cores: tuple[tuple[int, ...], set[int]], log: Path,
+                 trace_url: str | None = None) -> str:
+    """`url`, or the URL of `replica_server` started on `cores`' first part (entered on `stack`; tracing to
+    `trace_url`); with cores given, this process then keeps to the rest (after the start: the replica keeps its
+    own)."""
     if url:
         return url
     replica_cpus, rest = cores
-    url = stack.enter_context(replica_server(log, replica_cpus)).url
+    url = stack.enter_context(replica_server(log, replica_cpus, trace_url)).url
     if replica_cpus:
         os.sched_setaffinity(0, rest)
     return url

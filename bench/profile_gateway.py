@@ -21,10 +21,10 @@ import time
 from contextlib import ExitStack
 from pathlib import Path
 
-from deploy.ports import free_ports
 from bench.common import RESULTS
 from bench.gateway_overhead import wrk
 from bench.gateway_peers import KEY, PACED_MS, _ours, cpus, fake_replicas, pinned, started
+from deploy.ports import free_ports
 
 SCENARIOS = {
     "requests": ({"model": "fake-model", "prompt": "hello", "max_tokens": 16}, 32),

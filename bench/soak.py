@@ -47,8 +47,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bench.chaos import Fault, Injector, Receipt, ReplicaProcess, fault_plan, spawn
 from bench.common import markdown_table
-from deploy.ports import free_ports
 from bench.soak_clients import MALFORMED, SLOW_TOKENS, Clients, Outcome, RequestShape
+from deploy.ports import free_ports
 from sim.fleet import capacity
 from sim.gpus import parse_gpu_spec
 from sim.model import load_model

@@ -6,7 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from bench.fairness_vllm import OUTPUT_TOKENS, PROMPT_WORDS, arrivals, body, main, report, summary
+from bench.fairness_vllm import OUTPUT_TOKENS, PROMPT_WORDS, arrivals, attach_parts, body, main, report, summary
+from bench.otlp_collector import Span
 
 
 def test_arrivals_are_poisson_at_the_rate_within_the_run_and_seeded() -> None:
@@ -44,7 +45,47 @@ def test_summary_gives_the_median_of_seeds_and_the_pooled_ratio() -> None:
     assert "| tenants | 40.0 ms | 40.0 ms | 1.00 | 1.10, 1.50, 1.00 | **1.10** |" in text
 
 
-@pytest.mark.parametrize("argv", [["--cap", "4", "--headroom", "4"], ["--seeds", "0"], ["--replica-cpus", "99"]])
+def _spans(trace: str, client_s: float, queue_s: float) -> list[Span]:
+    """A traced request's gateway and vLLM spans: 2 ms of the gateway's path, 10 ms in vLLM's engine."""
+    gateway = Span("gw", "gateway.request", trace, "r", "", 2, {"gen_ai.latency.time_to_first_token":
+                                                                 client_s - 0.001}, (), False)
+    queue = Span("gw", "gateway.queue", trace, "q", "r", 1, {}, (), False, 0, int(queue_s * 1e9))
+    engine = Span("vllm", "llm_request", trace, "v", "u", 2, {"gen_ai.latency.time_in_queue": 0.0,
+                                                               "gen_ai.latency.time_to_first_token": 0.010}, (), False)
+    return [gateway, engine] + ([queue] if queue_s else [])
+
+
+def test_a_traced_run_says_where_the_slow_requests_time_went() -> None:
+    """The slow requests with the flood (over the pooled p99 alone) waited in the gateway's queue here."""
+    seeds = {}
+    collected: list[Span] = []
+    for seed in range(2):
+        record: dict[str, dict[str, object]] = {}
+        for case in ("tenants", "priority"):
+            alone, flood = [0.013] * 50, [0.013] * 48 + [0.080, 0.090]
+            traces = [f"{seed}{case}{phase}{i}" for phase in ("a", "f") for i in range(50)]
+            for trace, ttft in zip(traces, alone + flood):
+                collected.extend(_spans(trace, ttft, max(0.0, ttft - 0.013)))
+            record[case] = {"alone_p99": 0.013, "flood_p99": 0.09, "ratio": 6.9, "alone_ttft": alone,
+                            "flood_ttft": flood, "alone_trace": traces[:50], "flood_trace": traces[50:],
+                            "flood_late": [0.001] * 50, "flood_started": 10, "flood_sent": 100}
+        seeds[seed] = record
+    attach_parts(seeds, lambda: collected, timeout_s=1.0)
+    s = summary(seeds)
+    parts = s["tenants"]["parts"]
+    assert parts["alone"][0] == 100 and parts["with the flood, within"][0] == 96
+    n, slower = parts["with the flood, slower"]
+    assert n == 4 and slower["gateway_queue"] == pytest.approx(0.072) and slower["engine_work"] == pytest.approx(0.010)
+    assert slower["client"] == pytest.approx(0.001) and slower["path"] == pytest.approx(0.002)
+    text = report({"command": "c", "capacity": 50.0, "seeds": seeds, "seconds": 20, "cap": 8, "headroom": 6,
+                   "wall_s": 100, "summary": s})
+    assert "Where the tenants case's protected requests' time to first token went" in text
+    assert "| with the flood, slower | 4 | 85.0 | 1.0 | 72.0 | 2.0 | 0.0 | 10.0 |" in text
+    assert "at most 1.0 ms late (tenants)" in text
+
+
+@pytest.mark.parametrize("argv", [["--cap", "4", "--headroom", "4"], ["--seeds", "0"], ["--replica-cpus", "99"],
+                                  ["--trace", "--replica", "http://127.0.0.1:1"]])
 def test_bad_arguments_are_refused_before_anything_starts(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
         main(argv)

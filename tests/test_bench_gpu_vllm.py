@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from planner.sources import load_profile
 from deploy.ports import free_ports
+from planner.sources import load_profile
 
 pytestmark = pytest.mark.vllm
 

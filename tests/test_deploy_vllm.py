@@ -26,8 +26,8 @@ from typing import Any
 import pytest
 from openai import OpenAI
 
+from bench.otlp_collector import Collector, otlp_collector
 from deploy.ports import free_ports, port_bound
-from tests.otlp_collector import Collector, otlp_collector
 
 pytestmark = pytest.mark.vllm
 

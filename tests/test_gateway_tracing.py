@@ -10,10 +10,10 @@ from typing import Any
 import aiohttp
 import pytest
 
+from bench.otlp_collector import Collector, Span, otlp_collector
 from gateway.app import running
 from gateway.config import ConfigError, from_mapping
 from tests.conftest import FakeFactory, GatewayFactory
-from tests.otlp_collector import Collector, Span, otlp_collector
 
 TRACE = "0af7651916cd43dd8448eb211c80319c"
 PARENT = "b7ad6b7169203331"
