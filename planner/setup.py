@@ -46,8 +46,6 @@ def build_workload(options: WorkloadOptions, model: str | None) -> WorkloadSourc
     return loader(options.dataset, builder, options.output_tokens, options.ignore_eos)
 
 
-
-
 @dataclass(frozen=True)
 class ProfileCommand:
     """Everything `planner profile` was asked to do."""

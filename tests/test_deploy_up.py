@@ -41,8 +41,6 @@ os.execv({python!r}, [{python!r}, *args])
 """
 
 
-
-
 @pytest.fixture
 def config(tmp_path: Path) -> UpConfig:
     python = tmp_path / "python"
