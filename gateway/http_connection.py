@@ -101,6 +101,9 @@ class Connection(ResponseWriter):
         if self._task is not None:
             self._task.cancel()  # the client went away: stop working for it
         self._wake_writer()
+        # The parser holds this connection's callbacks, and so this connection: a cycle, left for a collection.
+        # Nothing is parsed after the connection is lost; a parser without callbacks takes its place.
+        self._parser = httptools.HttpRequestParser(object())
 
     def pause_writing(self) -> None:
         self._paused_at = self._loop.time()
