@@ -137,8 +137,8 @@ class SpoolCollector:
 @contextmanager
 def spooling_collector(directory: Path, startup_timeout_s: float = 30.0) -> Iterator[SpoolCollector]:
     """An OTLP/HTTP receiver in a process of its own that only writes each export's body to a file in `directory`:
-    a benchmark that times requests does not parse spans in its own process (the GIL: a batch of thousands took
-    tens of ms) while it measures. Stopped on leaving."""
+    a benchmark that times requests does not parse spans in its own process while it measures (not measured: a
+    precaution; the clusters it was first suspected of stayed without it, docs/priority.md). Stopped on leaving."""
     directory.mkdir(parents=True, exist_ok=True)
     port = free_ports()
     process = subprocess.Popen([sys.executable, "-m", "bench.otlp_collector", "--spool", str(directory),
