@@ -84,6 +84,16 @@ class Collector:
         return []
 
 
+def _answer_export(handler: BaseHTTPRequestHandler) -> None:
+    """The OTLP/HTTP answer to an export: 200, an empty `ExportTraceServiceResponse`."""
+    reply = ExportTraceServiceResponse().SerializeToString()
+    handler.send_response(200)
+    handler.send_header("Content-Type", "application/x-protobuf")
+    handler.send_header("Content-Length", str(len(reply)))
+    handler.end_headers()
+    handler.wfile.write(reply)
+
+
 @contextmanager
 def otlp_collector() -> Iterator[Collector]:
     collector = Collector()
@@ -95,12 +105,7 @@ def otlp_collector() -> Iterator[Collector]:
             message.ParseFromString(body)
             with collector.lock:
                 collector.spans.extend(_spans(message))
-            reply = ExportTraceServiceResponse().SerializeToString()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/x-protobuf")
-            self.send_header("Content-Length", str(len(reply)))
-            self.end_headers()
-            self.wfile.write(reply)
+            _answer_export(self)
 
         def log_message(self, format: str, *args: Any) -> None:
             return None
@@ -162,7 +167,6 @@ def spooling_collector(directory: Path, startup_timeout_s: float = 30.0) -> Iter
 def serve_spool(directory: Path, port: int) -> None:
     """Answer OTLP/HTTP exports on `port`, writing each body to `directory` as it comes (GET /: 200, for readiness)."""
     count = itertools.count()
-    reply = ExportTraceServiceResponse().SerializeToString()
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # noqa: N802 (http.server's name)
@@ -175,11 +179,7 @@ def serve_spool(directory: Path, port: int) -> None:
             name = f"{next(count):08d}.pb"
             (directory / (name + ".part")).write_bytes(body)
             (directory / (name + ".part")).rename(directory / name)
-            self.send_response(200)
-            self.send_header("Content-Type", "application/x-protobuf")
-            self.send_header("Content-Length", str(len(reply)))
-            self.end_headers()
-            self.wfile.write(reply)
+            _answer_export(self)
 
         def log_message(self, format: str, *args: Any) -> None:
             return None

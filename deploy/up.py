@@ -10,7 +10,6 @@ import contextlib
 import logging
 import os
 import secrets
-import socket
 import sys
 import time
 from collections.abc import Mapping
@@ -26,6 +25,7 @@ from deploy.hardware import Hardware
 from deploy.launch import Launch, gateway_config, local_tokenizers
 from deploy.mps import MpsDaemon
 from deploy.plan import Plan
+from deploy.ports import port_bound
 from deploy.process import REPLICA_NICE, CancelToken, ManagedProcess, ProcessError, VllmServer, probe
 from deploy.supervisor import Backoff, Supervisor
 
@@ -62,22 +62,11 @@ class UpConfig:
     admin_key: str | None = None  # the gateway's admin API key (default: a new random one, in run_dir/admin.key)
 
 
-def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
-    """Whether something listens on host:port (binding as a server would, with SO_REUSEADDR)."""
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError:
-            return True
-    return False
-
-
 def check_ports(config: UpConfig) -> None:
     for spec in config.plan.replicas:
-        if port_in_use(spec.port, config.replica_host):
+        if port_bound(spec.port, config.replica_host):
             raise DeployError(f"port {spec.port} (replica {spec.name}) is already in use")
-    if port_in_use(config.plan.gateway.port, config.host if config.host not in ("", "::") else "0.0.0.0"):
+    if port_bound(config.plan.gateway.port, config.host if config.host not in ("", "::") else "0.0.0.0"):
         raise DeployError(f"port {config.plan.gateway.port} (gateway) is already in use")
 
 
