@@ -15,7 +15,9 @@ within a priority the tenant that has been served the fewest tokens, as in the V
 
 Headroom (`queue.headroom`, default 0): the last `headroom` of each replica's `max_requests` are kept for requests
 whose kind (tenant and priority) has nothing else queued, that are more urgent than another kind queued, or (with
-fairness) whose tenant has fewer queued than another tenant of its band. A
+fairness) whose tenant has fewer queued than another tenant of its band. A less urgent band never takes them while
+a more urgent one is queued or asked for a slot within `queue.headroom_idle_s`, queued or not: a batch flood's
+first requests, which find nothing of their own queued, cannot take the slots interactive requests use. A
 tenant or band sending past its share always has requests queued, so it fills replicas only up to
 `max_requests - headroom`; a request of anyone within their share
 then finds a free batch slot at once instead of waiting for one to free (its time to first token stays what it is
@@ -62,6 +64,7 @@ class PriorityOrder:
     """Priority bands, then within each either arrival (fair False) or tokens served per tenant (fair True)."""
 
     MAX_TENANTS = 65536
+    MAX_BANDS = 64
 
     def __init__(self, fair: bool, headroom: int = 0, idle_s: float = 10.0,
                  clock: Callable[[], float] | None = None) -> None:
@@ -72,6 +75,7 @@ class PriorityOrder:
         # the last two kinds to ask for a slot (or leave the queue), and when: whether another kind asked lately
         self._newest: tuple[tuple[str, int] | None, float] = (None, 0.0)
         self._second: tuple[tuple[str, int] | None, float] = (None, 0.0)
+        self._bands: dict[int, float] = {}  # when each priority last asked for a slot (or left the queue)
         self.counters: OrderedDict[str, float] = OrderedDict()
         self._waiting: dict[str, int] = {}  # tenants with requests queued, and how many
         self._kinds: dict[tuple[str, int], int] = {}  # the same by (tenant, priority), for the headroom
@@ -97,8 +101,10 @@ class PriorityOrder:
         self._priorities[priority] = self._priorities.get(priority, 0) + 1
 
     def reserve(self, info: RequestInfo) -> int:
-        """Slots of each replica `info` must leave free: the headroom if others of its kind are queued too, unless
-        a less urgent kind is queued (then the headroom is kept from that one: its requests come after), or, with
+        """Slots of each replica `info` must leave free: the headroom if a more urgent priority is queued or asked
+        for a slot within `idle_s` (whether or not `info`'s kind has anything queued), or if others of its kind are
+        queued too, unless a less urgent kind is queued (then the headroom is kept from that one: its requests come
+        after), or, with
         fairness, another tenant of its band has more queued (a light tenant's burst queued beside a flood is not
         held back as the flood is; the virtual token counters cannot tell them apart, the lift evens them), or no
         other kind is queued or asked for a slot within `idle_s` (the headroom is lent: nobody else is using it).
@@ -110,6 +116,8 @@ class PriorityOrder:
         queued = self._kinds.get(kind, 0)
         if not queued:
             self._asked(kind)  # (a queued kind is known to be there: the wake loop asks for each waiter)
+        if self._more_urgent_lately(priority):
+            return self.headroom  # queued or not: a flood's first requests must not take a more urgent band's slots
         if not (queued > 1 and priority >= max(self._priorities)):
             return 0
         if len(self._kinds) == 1:  # nobody else is queued: has anybody else asked lately?
@@ -124,9 +132,22 @@ class PriorityOrder:
 
     def _asked(self, kind: tuple[str, int]) -> None:
         """`kind` asked for a slot (or left the queue) now."""
+        now = self._clock()
         if kind != self._newest[0]:
             self._second = self._newest
-        self._newest = (kind, self._clock())
+        self._newest = (kind, now)
+        bands = self._bands
+        bands[kind[1]] = now
+        if len(bands) > self.MAX_BANDS:  # clients may name any integer: keep the bands heard from lately
+            for priority in sorted(bands, key=bands.__getitem__)[:len(bands) - self.MAX_BANDS]:
+                del bands[priority]
+
+    def _more_urgent_lately(self, priority: int) -> bool:
+        """Whether a more urgent priority than `priority` is queued, or asked for a slot within `idle_s`."""
+        if any(p < priority for p in self._priorities):
+            return True
+        now = self._clock()
+        return any(p < priority and now - t <= self.idle_s for p, t in self._bands.items())
 
     def leave(self, info: RequestInfo) -> None:
         """`info` leaves the queue: served, refused or gone."""

@@ -218,6 +218,45 @@ async def test_headroom_is_lent_to_a_flood_alone_and_kept_again_once_another_ten
     heavy[7].result().release()
 
 
+async def test_a_less_urgent_bands_first_requests_leave_the_headroom() -> None:
+    """A batch flood's first requests find nothing of their own queued; while an interactive request asked within
+    `idle_s` they still leave the headroom, so the next interactive request finds a slot at once. Once interactive
+    traffic has been silent for `idle_s`, the batch band fills every slot."""
+    now = [0.0]
+    order = PriorityOrder(fair=False, headroom=2, idle_s=10.0, clock=lambda: now[0])
+    r = router(order, max_requests=4)
+    replica = next(iter(r.replicas.values()))
+    r.try_acquire(info("i", 0)).release()  # type: ignore[union-attr]  # interactive asked at 0 s
+    now[0] = 1.0
+    batch = [asyncio.create_task(r.acquire(info("b", 10))) for _ in range(4)]
+    await settle()
+    assert replica.inflight == 2 and r.queue_depth == 2  # two slots kept, though the first found no queue
+    interactive = asyncio.create_task(r.acquire(info("i", 0)))
+    await settle()
+    assert interactive.done() and replica.inflight == 3
+    interactive.result().release()
+    batch[0].result().release()
+    await settle()
+    assert replica.inflight == 2 and r.queue_depth == 1  # kept again: interactive asked 0 s ago
+    now[0] = 12.0  # interactive silent for more than idle_s: the headroom is lent to the batch band
+    late = [asyncio.create_task(r.acquire(info("b", 10))) for _ in range(2)]
+    batch[1].result().release()
+    await settle()
+    assert replica.inflight == 4 and r.queue_depth == 0
+    for task in batch[2:] + late:
+        task.result().release()
+
+
+def test_the_bands_remembered_are_bounded() -> None:
+    """Clients may name any priority: the order remembers the `MAX_BANDS` heard from last."""
+    now = [0.0]
+    order = PriorityOrder(fair=False, headroom=1, clock=lambda: now[0])
+    for priority in range(PriorityOrder.MAX_BANDS + 10):
+        now[0] = priority
+        order.reserve(info("t", priority))
+    assert len(order._bands) == PriorityOrder.MAX_BANDS and min(order._bands) == 10
+
+
 async def favoured_take_the_headroom(order: PriorityOrder, flood: RequestInfo, favoured: RequestInfo) -> None:
     """With all 4 slots held, 3 `flood` and 2 `favoured` requests queued: the flood must leave the headroom (2), the
     favoured may not; of the first two slots freed, both go to the favoured, none to the flood."""
@@ -236,7 +275,9 @@ async def favoured_take_the_headroom(order: PriorityOrder, flood: RequestInfo, f
     for task in favoured_:
         task.result().release()
     await settle()
-    for task in flooding:
+    for task in flooding:  # (a less urgent band that asked lately still leaves the headroom: one at a time)
+        if not task.done():
+            await settle()
         task.result().release()
     assert r.queue_depth == 0
 
