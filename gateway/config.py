@@ -19,7 +19,8 @@ YAML (every key optional; flags given on the command line win over the file):
     retry: {max_attempts: 3, max_time_s: 10}
     queue: {max_size: 0, max_wait_s: 30}  # max_size 0: no admission queue (429 when every replica is at its cap)
                                           # headroom: 0 (with priority/fairness: slots per replica kept free for
-                                          # tenants and bands within their share, docs/priority.md);
+                                          # tenants and bands within their share, and from less urgent
+                                          # bands while a more urgent one is active, docs/priority.md);
                                           # headroom_idle_s: 10 (lent to a flood while no other kind asked)
     max_body_bytes: 4194304
     workers: 1                            # worker processes on the one port; auto: one per CPU available

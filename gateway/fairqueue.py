@@ -14,8 +14,10 @@ within a priority the tenant that has been served the fewest tokens, as in the V
   credit while idle and then take the replicas over.
 
 Headroom (`queue.headroom`, default 0): the last `headroom` of each replica's `max_requests` are kept for requests
-whose kind (tenant and priority) has nothing else queued, that are more urgent than another kind queued, or (with
-fairness) whose tenant has fewer queued than another tenant of its band. A less urgent band never takes them while
+whose kind (tenant and priority) has nothing else queued, that are more urgent than another kind queued, (with
+fairness) whose tenant has fewer queued than another tenant of its band, or whose kind asks for slots no faster
+than twice the mean of the other kinds of its band (gateway/askrates.py: a burst queued because it was held is not
+a flood). A less urgent band never takes them while
 a more urgent one is queued or asked for a slot within `queue.headroom_idle_s`, queued or not: a batch flood's
 first requests, which find nothing of their own queued, cannot take the slots interactive requests use. A
 tenant or band sending past its share always has requests queued, so it fills replicas only up to
@@ -36,6 +38,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Protocol
 
+from .askrates import AskRates
 from .parsing import RequestInfo
 
 
@@ -64,7 +67,9 @@ class PriorityOrder:
     """Priority bands, then within each either arrival (fair False) or tokens served per tenant (fair True)."""
 
     MAX_TENANTS = 65536
-    MAX_BANDS = 64
+    MAX_BANDS = 64  # bands whose asking rates are kept (clients may name any integer priority)
+    ASK_TAU_S = 1.0  # time constant of the kinds' asking rates
+    FLOOD_X = 2.0  # a kind asking past this many times the mean of the others of its band is a flood
 
     def __init__(self, fair: bool, headroom: int = 0, idle_s: float = 10.0,
                  clock: Callable[[], float] | None = None) -> None:
@@ -75,7 +80,7 @@ class PriorityOrder:
         # the last two kinds to ask for a slot (or leave the queue), and when: whether another kind asked lately
         self._newest: tuple[tuple[str, int] | None, float] = (None, 0.0)
         self._second: tuple[tuple[str, int] | None, float] = (None, 0.0)
-        self._bands: dict[int, float] = {}  # when each priority last asked for a slot (or left the queue)
+        self._asks = AskRates(self.ASK_TAU_S, idle_s, self.MAX_BANDS)  # counted only with a headroom
         self.counters: OrderedDict[str, float] = OrderedDict()
         self._waiting: dict[str, int] = {}  # tenants with requests queued, and how many
         self._kinds: dict[tuple[str, int], int] = {}  # the same by (tenant, priority), for the headroom
@@ -99,6 +104,8 @@ class PriorityOrder:
         kind = (tenant, priority)
         self._kinds[kind] = self._kinds.get(kind, 0) + 1
         self._priorities[priority] = self._priorities.get(priority, 0) + 1
+        if self.headroom:
+            self._asks.ask(kind, self._clock())  # a new request (only new ones start waiting)
 
     def reserve(self, info: RequestInfo) -> int:
         """Slots of each replica `info` must leave free: the headroom if a more urgent priority is queued or asked
@@ -107,7 +114,8 @@ class PriorityOrder:
         after), or, with
         fairness, another tenant of its band has more queued (a light tenant's burst queued beside a flood is not
         held back as the flood is; the virtual token counters cannot tell them apart, the lift evens them), or no
-        other kind is queued or asked for a slot within `idle_s` (the headroom is lent: nobody else is using it).
+        other kind is queued or asked for a slot within `idle_s` (the headroom is lent: nobody else is using it),
+        or its kind asks no faster than `FLOOD_X` x the mean of the other kinds of its band.
         A call for a kind with nothing queued counts as that kind asking."""
         if not self.headroom:
             return 0
@@ -128,26 +136,20 @@ class PriorityOrder:
             tenant = info.tenant
             if any(n > queued for (t, p), n in self._kinds.items() if p == priority and t != tenant):
                 return 0  # another tenant of its band has more queued: that one is the flood
+        if not self._asks.outpaces(kind, self._clock(), self.FLOOD_X):
+            return 0  # it asks no faster than the others of its band: a burst, queued because it was held
         return self.headroom
 
     def _asked(self, kind: tuple[str, int]) -> None:
         """`kind` asked for a slot (or left the queue) now."""
-        now = self._clock()
         if kind != self._newest[0]:
             self._second = self._newest
-        self._newest = (kind, now)
-        bands = self._bands
-        bands[kind[1]] = now
-        if len(bands) > self.MAX_BANDS:  # clients may name any integer: keep the bands heard from lately
-            for priority in sorted(bands, key=bands.__getitem__)[:len(bands) - self.MAX_BANDS]:
-                del bands[priority]
+        self._newest = (kind, self._clock())
 
     def _more_urgent_lately(self, priority: int) -> bool:
         """Whether a more urgent priority than `priority` is queued, or asked for a slot within `idle_s`."""
-        if any(p < priority for p in self._priorities):
-            return True
-        now = self._clock()
-        return any(p < priority and now - t <= self.idle_s for p, t in self._bands.items())
+        return (any(p < priority for p in self._priorities)
+                or self._asks.asked_within(priority, self._clock(), self.idle_s))
 
     def leave(self, info: RequestInfo) -> None:
         """`info` leaves the queue: served, refused or gone."""
@@ -175,6 +177,8 @@ class PriorityOrder:
 
     def charge(self, info: RequestInfo) -> None:
         """`info` got a lease: its tokens count as served to its tenant."""
+        if self.headroom and not self._waiting:  # nobody queued: a new request leased at once (else a waiter's)
+            self._asks.ask((info.tenant, info.priority or 0), self._clock())
         if self.fair:
             tenant = info.tenant
             self._set(tenant, self.counters.get(tenant, self._last) + info.prompt_tokens + info.max_tokens)

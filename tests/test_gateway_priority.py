@@ -11,6 +11,7 @@ import pytest
 
 from gateway.config import ConfigError, GatewayConfig, PriorityConfig, QueueConfig, ReplicaConfig, TenantsConfig, \
     from_mapping, to_mapping
+from gateway.askrates import AskRates
 from gateway.errors import GatewayError
 from gateway.fairqueue import PriorityOrder
 from gateway.parsing import RequestInfo
@@ -248,21 +249,63 @@ async def test_a_less_urgent_bands_first_requests_leave_the_headroom() -> None:
 
 
 def test_the_bands_remembered_are_bounded() -> None:
-    """Clients may name any priority: the order remembers the `MAX_BANDS` heard from last."""
+    """Clients may name any priority: the rates kept are those of the `max_bands` bands heard from last."""
+    rates = AskRates(tau_s=1.0, keep_s=10.0, max_bands=4)
+    for priority in range(10):
+        rates.ask(("t", priority), float(priority))
+    assert sorted(rates._bands) == [6, 7, 8, 9]
+
+
+def test_a_flood_outpaces_its_band_and_a_burst_does_not() -> None:
+    """A kind asking at 10 x the others of its band outpaces them within a fraction of a second; one of three
+    light tenants asking alike does not, and neither does a kind whose band has gone silent past `keep_s`."""
+    rates = AskRates(tau_s=1.0, keep_s=10.0, max_bands=64)
+    t = 0.0
+    while t < 5.0:  # three light tenants at 4 requests/s each
+        for k, tenant in enumerate(("a", "b", "c")):
+            rates.ask((tenant, 0), t + k * 0.08)
+        t += 0.25
+    assert not any(rates.outpaces((tenant, 0), t, 2.0) for tenant in ("a", "b", "c"))
+    for i in range(12):  # a flood at 40/s joins
+        rates.ask(("heavy", 0), t + i * 0.025)
+    assert rates.outpaces(("heavy", 0), t + 0.3, 2.0)
+    assert not rates.outpaces(("a", 0), t + 0.3, 2.0)
+    assert rates.outpaces(("a", 0), t + 30.0, 2.0)  # everyone silent past keep_s: no other kind of its band
+
+
+async def test_a_light_tenants_queued_burst_is_not_held_as_a_flood() -> None:
+    """Three light tenants asking alike, and a moment when one of them has two queued: it is not held to the last
+    free slots (with the others holding one, it would wait until the replica emptied: run 16 of docs/priority.md),
+    since it asks no faster than the others."""
     now = [0.0]
-    order = PriorityOrder(fair=False, headroom=1, clock=lambda: now[0])
-    for priority in range(PriorityOrder.MAX_BANDS + 10):
-        now[0] = priority
-        order.reserve(info("t", priority))
-    assert len(order._bands) == PriorityOrder.MAX_BANDS and min(order._bands) == 10
+    order = PriorityOrder(fair=True, headroom=3, clock=lambda: now[0])
+    r = router(order, max_requests=4)
+    replica = next(iter(r.replicas.values()))
+    for step in range(8):  # each asks once every 0.3 s
+        for tenant in ("a", "b", "c"):
+            now[0] += 0.1
+            r.try_acquire(info(tenant)).release()  # type: ignore[union-attr]
+    held = [r.try_acquire(info(t)) for t in ("b", "c", "b", "c")]
+    burst = [asyncio.create_task(r.acquire(info("a"))) for _ in range(2)]
+    await settle()
+    assert r.queue_depth == 2 and order.reserve(info("a")) == 0
+    held[0].release()  # type: ignore[union-attr]
+    await settle()
+    assert burst[0].done() and replica.inflight == 4
+    held[1].release()  # type: ignore[union-attr]
+    await settle()
+    assert burst[1].done()
+    for lease in held[2:] + [t.result() for t in burst]:
+        lease.release()  # type: ignore[union-attr]
 
 
-async def favoured_take_the_headroom(order: PriorityOrder, flood: RequestInfo, favoured: RequestInfo) -> None:
-    """With all 4 slots held, 3 `flood` and 2 `favoured` requests queued: the flood must leave the headroom (2), the
-    favoured may not; of the first two slots freed, both go to the favoured, none to the flood."""
+async def favoured_take_the_headroom(order: PriorityOrder, flood: RequestInfo, favoured: RequestInfo,
+                                    floods: int = 3) -> None:
+    """With all 4 slots held, `floods` `flood` and 2 `favoured` requests queued: the flood must leave the headroom
+    (2), the favoured may not; of the first two slots freed, both go to the favoured, none to the flood."""
     r = router(order, max_requests=4)
     held = [r.try_acquire(info()) for _ in range(4)]
-    flooding = [asyncio.create_task(r.acquire(flood)) for _ in range(3)]
+    flooding = [asyncio.create_task(r.acquire(flood)) for _ in range(floods)]
     favoured_ = [asyncio.create_task(r.acquire(favoured)) for _ in range(2)]
     await settle()
     assert order.reserve(favoured) == 0 and order.reserve(flood) == 2
@@ -283,8 +326,9 @@ async def favoured_take_the_headroom(order: PriorityOrder, flood: RequestInfo, f
 
 
 async def test_headroom_is_not_kept_from_the_least_served_tenant() -> None:
-    """A light tenant's burst queued behind a flood may use the headroom (it is within its share); the flood may not."""
-    await favoured_take_the_headroom(PriorityOrder(fair=True, headroom=2), info("heavy"), info("light"))
+    """A light tenant's burst queued behind a flood may use the headroom (it is within its share); the flood, asking
+    at more than twice the others' rate, may not."""
+    await favoured_take_the_headroom(PriorityOrder(fair=True, headroom=2), info("heavy"), info("light"), floods=8)
 
 
 async def test_headroom_goes_to_the_more_urgent_band() -> None:
