@@ -7,8 +7,11 @@ burst was held to the last free slots; with the other light tenants always holdi
 (bench.fairness_vllm, run 16 of docs/priority.md). Requests asked for do not depend on requests served, so they
 tell a flood from a burst without that loop: a flood asks at many times the others' rate.
 
-Each kind's asks are counted with an exponential decay (time constant `tau_s`), as is its band's total, so a rate
-is read in O(1); the kinds of a band are kept while they asked within `keep_s`.
+Each kind's asks are counted with an exponential decay (time constant `tau_s`): its rate now. The other kinds are
+taken at the rate they asked at when they last asked, not decayed to now: a kind that has gone quiet for a moment
+is still one the headroom is kept for, and comparing with its decayed rate made the one kind still asking look like
+a flood (run 20). Kinds are kept while they asked within `keep_s`; each band keeps the sum of its kinds' last
+rates, so a test costs O(1).
 """
 
 from __future__ import annotations
@@ -20,12 +23,12 @@ Kind = tuple[str, int]  # (tenant, priority)
 
 
 class _Band:
-    __slots__ = ("total", "at", "kinds")
+    __slots__ = ("at", "kinds", "last_sum")
 
     def __init__(self) -> None:
-        self.total = 0.0  # the band's decayed asks, as of `at`
-        self.at = 0.0
-        self.kinds: OrderedDict[str, tuple[float, float]] = OrderedDict()  # tenant -> (decayed asks, as of), by last
+        self.at = 0.0  # when a kind of the band last asked
+        self.kinds: OrderedDict[str, tuple[float, float]] = OrderedDict()  # tenant -> (decayed asks, when), by when
+        self.last_sum = 0.0  # the sum of the kinds' decayed asks as of their last ask
 
 
 class AskRates:
@@ -45,10 +48,12 @@ class AskRates:
             if len(self._bands) >= self.max_bands:  # clients may name any integer: forget the longest silent band
                 del self._bands[min(self._bands, key=lambda p: self._bands[p].at)]
             band = self._bands[priority] = _Band()
-        band.total = band.total * self._decay(now - band.at) + 1.0
         band.at = now
         count, at = band.kinds.pop(tenant, (0.0, now))
-        band.kinds[tenant] = (count * self._decay(now - at) + 1.0, now)
+        band.last_sum -= count
+        count = count * self._decay(now - at) + 1.0
+        band.kinds[tenant] = (count, now)
+        band.last_sum += count
         self._forget(band, now)
 
     def asked_within(self, priority: int, now: float, seconds: float) -> bool:
@@ -56,29 +61,32 @@ class AskRates:
         return any(p < priority and now - band.at <= seconds for p, band in self._bands.items())
 
     def outpaces(self, kind: Kind, now: float, factor: float) -> bool:
-        """Whether `kind` asks at more than `factor` x the mean rate of the other kinds of its band that asked
-        within `keep_s` (True when no other kind of its band did)."""
+        """Whether `kind` asks now at more than `factor` x the mean rate the other kinds of its band that asked
+        within `keep_s` asked at when they last asked (True when no other kind of its band did)."""
         tenant, priority = kind
         band = self._bands.get(priority)
         if band is None:
             return True
         self._forget(band, now)
         count, at = band.kinds.get(tenant, (0.0, now))
-        mine = count * self._decay(now - at)
         others = len(band.kinds) - (tenant in band.kinds)
         if others <= 0:
             return True
-        rest = max(band.total * self._decay(now - band.at) - mine, 0.0)
-        return mine > factor * rest / others
+        rest = max(band.last_sum - count, 0.0)
+        return count * self._decay(now - at) > factor * rest / others
 
     def _forget(self, band: _Band, now: float) -> None:
         """Drop the kinds of `band` silent for more than `keep_s`."""
         kinds = band.kinds
         while kinds:
             oldest = next(iter(kinds))
-            if now - kinds[oldest][1] <= self.keep_s:
+            count, at = kinds[oldest]
+            if now - at <= self.keep_s:
                 break
             del kinds[oldest]
+            band.last_sum -= count
+        if not kinds:
+            band.last_sum = 0.0  # (no float drift outlives the band's kinds)
 
     def _decay(self, seconds: float) -> float:
         return math.exp(-max(seconds, 0.0) / self.tau_s)

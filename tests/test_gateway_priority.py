@@ -273,6 +273,20 @@ def test_a_flood_outpaces_its_band_and_a_burst_does_not() -> None:
     assert rates.outpaces(("a", 0), t + 30.0, 2.0)  # everyone silent past keep_s: no other kind of its band
 
 
+def test_a_kind_still_asking_is_measured_against_the_others_last_rates() -> None:
+    """The others of its band gone quiet for a few seconds: a kind asking at its own steady rate is compared with
+    the rates they asked at, not with their rates decayed to now (which made it look like a flood: run 20)."""
+    rates = AskRates(tau_s=1.0, keep_s=10.0, max_bands=64)
+    t = 0.0
+    while t < 5.0:
+        rates.ask(("light", 0), t)
+        rates.ask(("other", 0), t + 0.05)
+        t += 0.1
+    for k in range(30):  # "other" stops; "light" goes on at 10/s for 3 s
+        rates.ask(("light", 0), t + k * 0.1)
+    assert not rates.outpaces(("light", 0), t + 3.0, 2.0)
+
+
 async def test_a_light_tenants_queued_burst_is_not_held_as_a_flood() -> None:
     """Three light tenants asking alike, and a moment when one of them has two queued: it is not held to the last
     free slots (with the others holding one, it would wait until the replica emptied: run 16 of docs/priority.md),
@@ -297,6 +311,35 @@ async def test_a_light_tenants_queued_burst_is_not_held_as_a_flood() -> None:
     assert burst[1].done()
     for lease in held[2:] + [t.result() for t in burst]:
         lease.release()  # type: ignore[union-attr]
+
+
+async def test_a_kind_left_alone_after_a_flood_is_not_held_as_one() -> None:
+    """A flood has stopped a few seconds ago (within `idle_s`); the interactive tenant goes on at its own rate and a
+    burst leaves two of its requests queued: it asks far slower than the flood did, so it is not held to the last
+    free slots (run 20: the alone phase after a flood's, 0.2-3 s in the gateway's queue)."""
+    now = [0.0]
+    order = PriorityOrder(fair=True, headroom=3, clock=lambda: now[0])
+    r = router(order, max_requests=4)
+    replica = next(iter(r.replicas.values()))
+    for step in range(100):  # 5 s: the flood at 40/s, interactive at 10/s
+        now[0] = step * 0.05
+        r.try_acquire(info("flood")).release()  # type: ignore[union-attr]
+        if step % 2:
+            r.try_acquire(info("interactive")).release()  # type: ignore[union-attr]
+    for step in range(30):  # the flood stops; interactive goes on for 3 s
+        now[0] = 5.0 + step * 0.1
+        r.try_acquire(info("interactive")).release()  # type: ignore[union-attr]
+    held = [r.try_acquire(info("interactive")) for _ in range(4)]
+    burst = [asyncio.create_task(r.acquire(info("interactive"))) for _ in range(2)]
+    await settle()
+    assert r.queue_depth == 2 and order.reserve(info("interactive")) == 0
+    held[0].release()  # type: ignore[union-attr]
+    await settle()
+    assert burst[0].done() and replica.inflight == 4
+    for lease in held[1:] + [burst[0].result()]:
+        lease.release()  # type: ignore[union-attr]
+    await settle()
+    burst[1].result().release()
 
 
 async def favoured_take_the_headroom(order: PriorityOrder, flood: RequestInfo, favoured: RequestInfo,
