@@ -10,8 +10,8 @@ tell a flood from a burst without that loop: a flood asks at many times the othe
 Each kind's asks are counted with an exponential decay (time constant `tau_s`): its rate now. The other kinds are
 taken at the rate they asked at when they last asked, not decayed to now: a kind that has gone quiet for a moment
 is still one the headroom is kept for, and comparing with its decayed rate made the one kind still asking look like
-a flood (run 20). Kinds are kept while they asked within `keep_s`; each band keeps the sum of its kinds' last
-rates, so a test costs O(1).
+a flood (run 20). Kinds are kept while they asked within `keep_s` (at most `max_kinds` a band); each band keeps
+the sum of its kinds' last rates, so a test costs O(1).
 """
 
 from __future__ import annotations
@@ -34,10 +34,11 @@ class _Band:
 class AskRates:
     """Decayed counts of the slots each kind asked for, by band."""
 
-    def __init__(self, tau_s: float, keep_s: float, max_bands: int) -> None:
+    def __init__(self, tau_s: float, keep_s: float, max_bands: int, max_kinds: int = 65536) -> None:
         self.tau_s = tau_s
         self.keep_s = keep_s
         self.max_bands = max_bands
+        self.max_kinds = max_kinds  # a band's kinds kept (a tenant header lets clients name any tenant)
         self._bands: dict[int, _Band] = {}
 
     def ask(self, kind: Kind, now: float) -> None:
@@ -55,6 +56,8 @@ class AskRates:
         band.kinds[tenant] = (count, now)
         band.last_sum += count
         self._forget(band, now)
+        if len(band.kinds) > self.max_kinds:  # the least recently asking kind goes first
+            band.last_sum -= band.kinds.popitem(last=False)[1][0]
 
     def asked_within(self, priority: int, now: float, seconds: float) -> bool:
         """Whether a band more urgent than `priority` (a lower value) asked for a slot within `seconds`."""

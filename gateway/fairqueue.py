@@ -80,7 +80,7 @@ class PriorityOrder:
         # the last two kinds to ask for a slot (or leave the queue), and when: whether another kind asked lately
         self._newest: tuple[tuple[str, int] | None, float] = (None, 0.0)
         self._second: tuple[tuple[str, int] | None, float] = (None, 0.0)
-        self._asks = AskRates(self.ASK_TAU_S, idle_s, self.MAX_BANDS)  # counted only with a headroom
+        self._asks = AskRates(self.ASK_TAU_S, idle_s, self.MAX_BANDS, self.MAX_TENANTS)  # only with a headroom
         self.counters: OrderedDict[str, float] = OrderedDict()
         self._waiting: dict[str, int] = {}  # tenants with requests queued, and how many
         self._kinds: dict[tuple[str, int], int] = {}  # the same by (tenant, priority), for the headroom

@@ -249,11 +249,16 @@ async def test_a_less_urgent_bands_first_requests_leave_the_headroom() -> None:
 
 
 def test_the_bands_remembered_are_bounded() -> None:
-    """Clients may name any priority: the rates kept are those of the `max_bands` bands heard from last."""
+    """Clients may name any priority, and (with a tenant header) any tenant: the rates kept are those of the
+    `max_bands` bands and the `max_kinds` kinds a band heard from last."""
     rates = AskRates(tau_s=1.0, keep_s=10.0, max_bands=4)
     for priority in range(10):
         rates.ask(("t", priority), float(priority))
     assert sorted(rates._bands) == [6, 7, 8, 9]
+    few = AskRates(tau_s=1.0, keep_s=10.0, max_bands=4, max_kinds=3)
+    for k in range(10):  # any tenant name a header may carry
+        few.ask((f"t{k}", 0), 0.1 * k)
+    assert list(few._bands[0].kinds) == ["t7", "t8", "t9"]
 
 
 def test_a_flood_outpaces_its_band_and_a_burst_does_not() -> None:
