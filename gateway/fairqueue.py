@@ -113,9 +113,8 @@ class PriorityOrder:
         queued too, unless a less urgent kind is queued (then the headroom is kept from that one: its requests come
         after), or, with fairness, another tenant of its band has more queued (a light tenant's burst queued beside
         a flood is not held back as the flood is; the virtual token counters cannot tell them apart, the lift evens
-        them), or no
-        other kind is queued or asked for a slot within `idle_s` (the headroom is lent: nobody else is using it),
-        or its kind asks no faster than `FLOOD_X` x the mean of the other kinds of its band.
+        them), or no other kind is queued or asked for a slot within `idle_s` (the headroom is lent: nobody else is
+        using it), or its kind asks no faster than `FLOOD_X` x the mean of the other kinds of its band.
         A call for a kind with nothing queued counts as that kind asking."""
         if not self.headroom:
             return 0

@@ -292,6 +292,22 @@ def test_a_kind_still_asking_is_measured_against_the_others_last_rates() -> None
     assert not rates.outpaces(("light", 0), t + 3.0, 2.0)
 
 
+async def burst_takes_the_freed_slots(r: Router, order: PriorityOrder, holders: list[str], tenant: str) -> None:
+    """With `holders` holding the replica's 4 slots and two of `tenant`'s requests queued: `tenant` is not held to
+    the last free slots (it must leave none), and each of the next two slots freed goes to its burst."""
+    replica = next(iter(r.replicas.values()))
+    held = [r.try_acquire(info(t)) for t in holders]
+    burst = [asyncio.create_task(r.acquire(info(tenant))) for _ in range(2)]
+    await settle()
+    assert r.queue_depth == 2 and order.reserve(info(tenant)) == 0
+    for k in range(2):
+        held[k].release()  # type: ignore[union-attr]
+        await settle()
+        assert burst[k].done() and replica.inflight == 4
+    for lease in held[2:] + [t.result() for t in burst]:
+        lease.release()  # type: ignore[union-attr]
+
+
 async def test_a_light_tenants_queued_burst_is_not_held_as_a_flood() -> None:
     """Three light tenants asking alike, and a moment when one of them has two queued: it is not held to the last
     free slots (with the others holding one, it would wait until the replica emptied: run 16 of docs/priority.md),
@@ -299,23 +315,11 @@ async def test_a_light_tenants_queued_burst_is_not_held_as_a_flood() -> None:
     now = [0.0]
     order = PriorityOrder(fair=True, headroom=3, clock=lambda: now[0])
     r = router(order, max_requests=4)
-    replica = next(iter(r.replicas.values()))
     for step in range(8):  # each asks once every 0.3 s
         for tenant in ("a", "b", "c"):
             now[0] += 0.1
             r.try_acquire(info(tenant)).release()  # type: ignore[union-attr]
-    held = [r.try_acquire(info(t)) for t in ("b", "c", "b", "c")]
-    burst = [asyncio.create_task(r.acquire(info("a"))) for _ in range(2)]
-    await settle()
-    assert r.queue_depth == 2 and order.reserve(info("a")) == 0
-    held[0].release()  # type: ignore[union-attr]
-    await settle()
-    assert burst[0].done() and replica.inflight == 4
-    held[1].release()  # type: ignore[union-attr]
-    await settle()
-    assert burst[1].done()
-    for lease in held[2:] + [t.result() for t in burst]:
-        lease.release()  # type: ignore[union-attr]
+    await burst_takes_the_freed_slots(r, order, ["b", "c", "b", "c"], "a")
 
 
 async def test_a_kind_left_alone_after_a_flood_is_not_held_as_one() -> None:
@@ -325,7 +329,6 @@ async def test_a_kind_left_alone_after_a_flood_is_not_held_as_one() -> None:
     now = [0.0]
     order = PriorityOrder(fair=True, headroom=3, clock=lambda: now[0])
     r = router(order, max_requests=4)
-    replica = next(iter(r.replicas.values()))
     for step in range(100):  # 5 s: the flood at 40/s, interactive at 10/s
         now[0] = step * 0.05
         r.try_acquire(info("flood")).release()  # type: ignore[union-attr]
@@ -334,17 +337,7 @@ async def test_a_kind_left_alone_after_a_flood_is_not_held_as_one() -> None:
     for step in range(30):  # the flood stops; interactive goes on for 3 s
         now[0] = 5.0 + step * 0.1
         r.try_acquire(info("interactive")).release()  # type: ignore[union-attr]
-    held = [r.try_acquire(info("interactive")) for _ in range(4)]
-    burst = [asyncio.create_task(r.acquire(info("interactive"))) for _ in range(2)]
-    await settle()
-    assert r.queue_depth == 2 and order.reserve(info("interactive")) == 0
-    held[0].release()  # type: ignore[union-attr]
-    await settle()
-    assert burst[0].done() and replica.inflight == 4
-    for lease in held[1:] + [burst[0].result()]:
-        lease.release()  # type: ignore[union-attr]
-    await settle()
-    burst[1].result().release()
+    await burst_takes_the_freed_slots(r, order, ["interactive"] * 4, "interactive")
 
 
 async def favoured_take_the_headroom(order: PriorityOrder, flood: RequestInfo, favoured: RequestInfo,
