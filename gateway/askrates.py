@@ -1,13 +1,19 @@
-"""How fast each kind (tenant, priority) asks for slots, against the other kinds of its band: the headroom's test of
-a flood (gateway/fairqueue.py).
+"""How fast each kind (tenant, priority) asks for tokens, against the other kinds of its band: the headroom's test
+of a flood (gateway/fairqueue.py).
 
 A kind with requests queued is not necessarily a flood: once the headroom holds a kind back, its queue grows while
 the others are served, so a queue-length test feeds itself. A light tenant caught with two queued in a moment's
 burst was held to the last free slots; with the other light tenants always holding one, it waited seconds
-(bench.fairness_vllm, run 16 of docs/priority.md). Requests asked for do not depend on requests served, so they
-tell a flood from a burst without that loop: a flood asks at many times the others' rate.
+(bench.fairness_vllm, run 16 of docs/priority.md). What a kind asks for does not depend on what it is served, so it
+tells a flood from a burst without that loop: a flood asks at many times the others' rate.
 
-Each kind's asks are counted with an exponential decay (time constant `tau_s`): its rate now. The other kinds are
+It is counted in tokens (a request's prompt plus its output budget, what fairness charges), not in requests. A
+flood of clients each sending as its last answer ends (a closed loop, as batch jobs run) asks for requests only as
+fast as they are served: held to a few slots, eight clients of 32-token requests asked no more often than one light
+tenant's 4-token requests, one every 0.1 s, and were let take every slot (tests/test_priority_vllm.py, CI of
+2026-11-27). Tokens asked for are what slots are held for: the flood asked for several times the light tenant's.
+
+Each kind's tokens are counted with an exponential decay (time constant `tau_s`): its rate now. The other kinds are
 taken at the rate they asked at when they last asked, not decayed to now: a kind that has gone quiet for a moment
 is still one the headroom is kept for, and comparing with its decayed rate made the one kind still asking look like
 a flood (run 20). Kinds are kept while they asked within `keep_s` (at most `max_kinds` a band); each band keeps
@@ -27,12 +33,12 @@ class _Band:
 
     def __init__(self) -> None:
         self.at = 0.0  # when a kind of the band last asked
-        self.kinds: OrderedDict[str, tuple[float, float]] = OrderedDict()  # tenant -> (decayed asks, when), by when
-        self.last_sum = 0.0  # the sum of the kinds' decayed asks as of their last ask
+        self.kinds: OrderedDict[str, tuple[float, float]] = OrderedDict()  # tenant -> (decayed tokens, when), by when
+        self.last_sum = 0.0  # the sum of the kinds' decayed tokens as of their last ask
 
 
 class AskRates:
-    """Decayed counts of the slots each kind asked for, by band."""
+    """Decayed counts of the tokens each kind asked for, by band."""
 
     def __init__(self, tau_s: float, keep_s: float, max_bands: int, max_kinds: int = 65536) -> None:
         self.tau_s = tau_s
@@ -41,8 +47,8 @@ class AskRates:
         self.max_kinds = max_kinds  # a band's kinds kept (a tenant header lets clients name any tenant)
         self._bands: dict[int, _Band] = {}
 
-    def ask(self, kind: Kind, now: float) -> None:
-        """`kind` asked for one slot at `now`."""
+    def ask(self, kind: Kind, now: float, tokens: float = 1.0) -> None:
+        """`kind` asked for a slot at `now`, for `tokens`."""
         tenant, priority = kind
         band = self._bands.get(priority)
         if band is None:
@@ -52,7 +58,7 @@ class AskRates:
         band.at = now
         count, at = band.kinds.pop(tenant, (0.0, now))
         band.last_sum -= count
-        count = count * self._decay(now - at) + 1.0
+        count = count * self._decay(now - at) + tokens
         band.kinds[tenant] = (count, now)
         band.last_sum += count
         self._forget(band, now)

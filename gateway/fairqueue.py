@@ -15,9 +15,9 @@ within a priority the tenant that has been served the fewest tokens, as in the V
 
 Headroom (`queue.headroom`, default 0): the last `headroom` of each replica's `max_requests` are kept for requests
 whose kind (tenant and priority) has nothing else queued, that are more urgent than another kind queued, (with
-fairness) whose tenant has fewer queued than another tenant of its band, or whose kind asks for slots no faster
+fairness) whose tenant has fewer queued than another tenant of its band, or whose kind asks for tokens no faster
 than twice the mean of the other kinds of its band (gateway/askrates.py: a burst queued because it was held is not
-a flood). A less urgent band never takes them while
+a flood; a closed loop of long requests is). A less urgent band never takes them while
 a more urgent one is queued or asked for a slot within `queue.headroom_idle_s`, queued or not: a batch flood's
 first requests, which find nothing of their own queued, cannot take the slots interactive requests use. A
 tenant or band sending past its share always has requests queued, so it fills replicas only up to
@@ -69,7 +69,7 @@ class PriorityOrder:
     MAX_TENANTS = 65536
     MAX_BANDS = 64  # bands whose asking rates are kept (clients may name any integer priority)
     ASK_TAU_S = 1.0  # time constant of the kinds' asking rates
-    FLOOD_X = 2.0  # a kind asking past this many times the mean of the others of its band is a flood
+    FLOOD_X = 2.0  # a kind asking for tokens past this many times the mean of the others of its band is a flood
 
     def __init__(self, fair: bool, headroom: int = 0, idle_s: float = 10.0,
                  clock: Callable[[], float] | None = None) -> None:
@@ -105,7 +105,7 @@ class PriorityOrder:
         self._kinds[kind] = self._kinds.get(kind, 0) + 1
         self._priorities[priority] = self._priorities.get(priority, 0) + 1
         if self.headroom:
-            self._asks.ask(kind, self._clock())  # a new request (only new ones start waiting)
+            self._asks.ask(kind, self._clock(), info.prompt_tokens + info.max_tokens)  # (only new ones start waiting)
 
     def reserve(self, info: RequestInfo) -> int:
         """Slots of each replica `info` must leave free: the headroom if a more urgent priority is queued or asked
@@ -114,7 +114,7 @@ class PriorityOrder:
         after), or, with fairness, another tenant of its band has more queued (a light tenant's burst queued beside
         a flood is not held back as the flood is; the virtual token counters cannot tell them apart, the lift evens
         them), or no other kind is queued or asked for a slot within `idle_s` (the headroom is lent: nobody else is
-        using it), or its kind asks no faster than `FLOOD_X` x the mean of the other kinds of its band.
+        using it), or its kind asks for tokens no faster than `FLOOD_X` x the mean of the other kinds of its band.
         A call for a kind with nothing queued counts as that kind asking."""
         if not self.headroom:
             return 0
@@ -136,7 +136,7 @@ class PriorityOrder:
             if any(n > queued for (t, p), n in self._kinds.items() if p == priority and t != tenant):
                 return 0  # another tenant of its band has more queued: that one is the flood
         if not self._asks.outpaces(kind, self._clock(), self.FLOOD_X):
-            return 0  # it asks no faster than the others of its band: a burst, queued because it was held
+            return 0  # it asks for no more than the others of its band: a burst, queued because it was held
         return self.headroom
 
     def _asked(self, kind: tuple[str, int]) -> None:
@@ -177,7 +177,7 @@ class PriorityOrder:
     def charge(self, info: RequestInfo) -> None:
         """`info` got a lease: its tokens count as served to its tenant."""
         if self.headroom and not self._waiting:  # nobody queued: a new request leased at once (else a waiter's)
-            self._asks.ask((info.tenant, info.priority or 0), self._clock())
+            self._asks.ask((info.tenant, info.priority or 0), self._clock(), info.prompt_tokens + info.max_tokens)
         if self.fair:
             tenant = info.tenant
             self._set(tenant, self.counters.get(tenant, self._last) + info.prompt_tokens + info.max_tokens)

@@ -340,6 +340,38 @@ async def test_a_kind_left_alone_after_a_flood_is_not_held_as_one() -> None:
     await burst_takes_the_freed_slots(r, order, ["interactive"] * 4, "interactive")
 
 
+async def test_a_closed_loop_flood_of_long_requests_is_held() -> None:
+    """Clients of one tenant sending long requests back to back ask for a slot only as fast as they are served: as
+    often as a light tenant asks for short ones. By the tokens asked for it is the flood: with all slots held and
+    several of its requests queued, it leaves the headroom to the light tenant (counted in requests it did not, and
+    took every slot: tests/test_priority_vllm.py in CI)."""
+    now = [0.0]
+    order = PriorityOrder(fair=True, headroom=2, clock=lambda: now[0])
+    r = router(order, max_requests=4)
+    heavy, light = info("heavy", tokens=300), info("light", tokens=20)
+    for step in range(50):  # 5 s: each asks 10 times a second
+        now[0] = step * 0.1
+        r.try_acquire(heavy).release()  # type: ignore[union-attr]
+        now[0] += 0.05
+        r.try_acquire(light).release()  # type: ignore[union-attr]
+    held = [r.try_acquire(heavy) for _ in range(4)]
+    queued = [asyncio.create_task(r.acquire(heavy)) for _ in range(4)]
+    await settle()
+    assert order.reserve(heavy) == 2 and order.reserve(light) == 0
+    for lease in held[:2]:
+        lease.release()  # type: ignore[union-attr]
+    await settle()
+    assert not any(t.done() for t in queued)  # the two freed slots are the headroom: kept
+    lease = r.try_acquire(light)
+    assert lease is not None  # the light tenant's next request finds one at once
+    for other in held[2:] + [lease]:
+        other.release()  # type: ignore[union-attr]
+    for task in queued:
+        if not task.done():
+            await settle()
+        task.result().release()
+
+
 async def favoured_take_the_headroom(order: PriorityOrder, flood: RequestInfo, favoured: RequestInfo,
                                     floods: int = 3) -> None:
     """With all 4 slots held, `floods` `flood` and 2 `favoured` requests queued: the flood must leave the headroom
