@@ -626,7 +626,7 @@ async def test_gateway_shares_the_queue_between_tenants(fake_replica: FakeFactor
         def send(key: str, tag: str, tokens: int = 4) -> Any:
             return client.post("/completions", headers={"authorization": f"Bearer {key}"},
                                json={"model": "fake-model", "prompt": tag, "max_tokens": tokens})
-        holder = asyncio.create_task(send("sk-heavy", "holder", 40))
+        holder = asyncio.create_task(send("sk-heavy", "holder", 200))  # 1 s: all queue behind it, on a slow machine too
         await asyncio.sleep(0.1)
         heavy = [asyncio.create_task(send("sk-heavy", f"h{i}")) for i in range(8)]
         await asyncio.sleep(0.05)
