@@ -105,7 +105,7 @@ class PriorityOrder:
         self._kinds[kind] = self._kinds.get(kind, 0) + 1
         self._priorities[priority] = self._priorities.get(priority, 0) + 1
         if self.headroom:
-            self._asks.ask(kind, self._clock(), info.prompt_tokens + info.max_tokens)  # (only new ones start waiting)
+            self._asks.ask(kind, self._clock(), info.cost)  # a new request (only new ones start waiting)
 
     def reserve(self, info: RequestInfo) -> int:
         """Slots of each replica `info` must leave free: the headroom if a more urgent priority is queued or asked
@@ -176,11 +176,12 @@ class PriorityOrder:
 
     def charge(self, info: RequestInfo) -> None:
         """`info` got a lease: its tokens count as served to its tenant."""
+        cost = info.cost
         if self.headroom and not self._waiting:  # nobody queued: a new request leased at once (else a waiter's)
-            self._asks.ask((info.tenant, info.priority or 0), self._clock(), info.prompt_tokens + info.max_tokens)
+            self._asks.ask((info.tenant, info.priority or 0), self._clock(), cost)
         if self.fair:
             tenant = info.tenant
-            self._set(tenant, self.counters.get(tenant, self._last) + info.prompt_tokens + info.max_tokens)
+            self._set(tenant, self.counters.get(tenant, self._last) + cost)
 
     def refund(self, tenant: str, tokens: int) -> None:
         """`tokens` charged to `tenant` were not served after all (gateway/settlement.py)."""

@@ -246,7 +246,7 @@ class AdapterRouter:
             reason = "every replica failed" if exclude else "no healthy replica"
             raise GatewayError(503, f"{reason} for adapter `{spec.name}`; try again shortly",
                                code="no_replica_available", headers={"Retry-After": "1"})
-        cost = info.prompt_tokens + info.max_tokens
+        cost = info.cost
         for replica in candidates:
             replica.refresh()
         open_ = [r for r in candidates if r.has_room(cost)] or candidates

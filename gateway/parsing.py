@@ -29,6 +29,12 @@ class RequestInfo:
     priority: int | None = None  # lower is served sooner (vLLM's convention); None: none given (parse: the body's)
     tenant: str = ""  # who it is for, when tenants are configured (gateway/tenancy.py); "": anonymous
 
+    @property
+    def cost(self) -> int:
+        """Prompt tokens plus the whole output budget: what a replica reserves for it, what its tenant is charged
+        at admission and asks for."""
+        return self.prompt_tokens + self.max_tokens
+
 
 def load_json(raw: bytes) -> dict[str, Any]:
     """The body as a JSON object, or a 400 (msgspec: json.loads from bytes took half the parse time, measured)."""

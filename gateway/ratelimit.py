@@ -83,7 +83,7 @@ class TokenRates:
             buckets.move_to_end(info.tenant)
             bucket.level = min(rate.burst, bucket.level + (now - bucket.stamp) * rate.tokens_per_s)
             bucket.stamp = now
-        cost = info.prompt_tokens + info.max_tokens
+        cost = info.cost
         need = min(cost, rate.burst)
         if bucket.level < need:
             wait = math.ceil((need - bucket.level) / rate.tokens_per_s)

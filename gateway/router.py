@@ -136,7 +136,7 @@ class Router:
                     make: MakeLease | None = None) -> Lease | None:
         """A lease on a replica with room now, or None when every candidate is at its cap (`on`, `make`: see
         `acquire_on`)."""
-        cost = info.prompt_tokens + info.max_tokens
+        cost = info.cost
         order = self.order
         reserve = 0 if order is None else order.reserve(info)
         if on is not None:

@@ -63,7 +63,7 @@ class Settlement:
     def _unused(info: RequestInfo, served: int | None) -> int:
         """What `served` output tokens leave of the charge (None: nothing was served, all of it)."""
         if served is None:
-            return info.prompt_tokens + info.max_tokens
+            return info.cost
         return max(0, info.max_tokens - served)
 
     def lease_done(self, info: RequestInfo, served: int | None) -> None:
