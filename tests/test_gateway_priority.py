@@ -292,6 +292,15 @@ def test_a_kind_still_asking_is_measured_against_the_others_last_rates() -> None
     assert not rates.outpaces(("light", 0), t + 3.0, 2.0)
 
 
+async def release_in_turn(waiting: list[asyncio.Task[Any]]) -> None:
+    """Each of `waiting`'s leases, once it has one, released: a request held back gets its lease as earlier ones
+    end, one at a time."""
+    for task in waiting:
+        if not task.done():
+            await settle()
+        task.result().release()
+
+
 async def burst_takes_the_freed_slots(r: Router, order: PriorityOrder, holders: list[str], tenant: str) -> None:
     """With `holders` holding the replica's 4 slots and two of `tenant`'s requests queued: `tenant` is not held to
     the last free slots (it must leave none), and each of the next two slots freed goes to its burst."""
@@ -366,10 +375,7 @@ async def test_a_closed_loop_flood_of_long_requests_is_held() -> None:
     assert lease is not None  # the light tenant's next request finds one at once
     for other in held[2:] + [lease]:
         other.release()  # type: ignore[union-attr]
-    for task in queued:
-        if not task.done():
-            await settle()
-        task.result().release()
+    await release_in_turn(queued)
 
 
 async def favoured_take_the_headroom(order: PriorityOrder, flood: RequestInfo, favoured: RequestInfo,
@@ -391,10 +397,7 @@ async def favoured_take_the_headroom(order: PriorityOrder, flood: RequestInfo, f
     for task in favoured_:
         task.result().release()
     await settle()
-    for task in flooding:  # (a less urgent band that asked lately still leaves the headroom: one at a time)
-        if not task.done():
-            await settle()
-        task.result().release()
+    await release_in_turn(flooding)  # (a less urgent band that asked lately still leaves the headroom)
     assert r.queue_depth == 0
 
 
