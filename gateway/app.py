@@ -15,6 +15,7 @@ import socket
 import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import replace
+from urllib.parse import unquote
 
 import aiohttp
 
@@ -47,6 +48,17 @@ Route = Callable[[Request, Responder, str], Awaitable["Response | None"]]
 
 _OWN_METHODS = {"/v1/completions": "POST", "/v1/chat/completions": "POST", "/v1/embeddings": "POST",
                 "/v1/models": "GET", "/health": "GET", "/ready": "GET", "/metrics": "GET"}
+# vLLM's own API outside /v1, proxied as any /v1 path is (as production-stack's router does): token counts, pooling
+# models' scores and ranks, the engine's version
+_VLLM_PATHS = frozenset({"/tokenize", "/detokenize", "/pooling", "/classify", "/score", "/rerank", "/v2/rerank",
+                         "/version"})
+# vLLM's runtime adapter API: a client must not load any path on a replica, nor unload what the gateway routes to
+_REFUSED = frozenset({"/v1/load_lora_adapter", "/v1/unload_lora_adapter"})
+
+
+def _keyed(path: str) -> bool:
+    """Whether the API keys guard `path`: the OpenAI API, and vLLM's own that the gateway proxies."""
+    return path.startswith("/v1/") or path in _VLLM_PATHS
 
 
 def _json(data: object, status: int = 200) -> Response:
@@ -195,8 +207,10 @@ class Gateway:
         """Request ids, API keys, routing, and every error as an OpenAI-style body with the right status."""
         request_id = request.headers.get("x-request-id") or f"{self._ids.getrandbits(128):032x}"
         responder.headers["x-request-id"] = request_id
+        if "%" in request.path:  # route as the replica will: vLLM's server matches the decoded path
+            request = replace(request, path=unquote(request.path))
         try:
-            if self.config.api_keys and request.path.startswith("/v1/") and not self._authorized(request):
+            if self.config.api_keys and _keyed(request.path) and not self._authorized(request):
                 raise GatewayError(401, "Incorrect or missing API key: send `Authorization: Bearer <key>`",
                                    code="invalid_api_key")
             route = self._routes.get((request.method, request.path)) or self._elsewhere(request)
@@ -214,8 +228,12 @@ class Gateway:
         if allowed and request.method != allowed and not (allowed == "GET" and request.method == "HEAD"):
             raise GatewayError(405, f"{request.method} is not allowed on {request.path}; use {allowed}",
                                code="method_not_allowed", headers={"Allow": allowed})
-        if not request.path.startswith("/v1/"):
-            raise GatewayError(404, f"{request.method} {request.path}: Not Found", code="not_found")
+        path = request.path
+        if path.rstrip("/") in _REFUSED:
+            raise GatewayError(403, f"{path} is not served to clients: adapters are loaded by the gateway, from the "
+                               "names in its config (lora.adapters), when a request names one", code="forbidden")
+        if not (path.startswith("/v1/") or path in _VLLM_PATHS):
+            raise GatewayError(404, f"{request.method} {path}: Not Found", code="not_found")
         return self._other_v1
 
     def _authorized(self, request: Request) -> bool:
@@ -247,7 +265,8 @@ class Gateway:
         return handle
 
     async def _other_v1(self, request: Request, responder: Responder, request_id: str) -> Response | None:
-        """Any other /v1 path: to a replica serving the body's `model` when it names one, else to any."""
+        """Any other /v1 path, or vLLM's own (`_VLLM_PATHS`): to a replica serving the body's `model` when it names
+        one, else to any."""
         assert self.proxy is not None
         return await self.proxy.forward(request, responder, other_info(request.body), request_id)
 

@@ -235,6 +235,17 @@ async def unload_lora(request: web.Request) -> web.Response:
     return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")
 
 
+async def tokenize(request: web.Request) -> web.Response:
+    """vLLM's /tokenize, a token a word, answered with the model that served it."""
+    words = str((await request.json()).get("prompt", "")).split()
+    return web.json_response({"count": len(words), "tokens": list(range(len(words))), "max_model_len": 2048,
+                              "model": request.app[BEHAVIOR].model})
+
+
+async def version(request: web.Request) -> web.Response:
+    return web.json_response({"version": "fake"})
+
+
 async def health(request: web.Request) -> web.Response:
     behavior = request.app[BEHAVIOR]
     request.app[STATS].health_probes += 1
@@ -274,6 +285,8 @@ def make_app(behavior: FakeBehavior | None = None) -> web.Application:
     app.router.add_get("/v1/models", models)
     app.router.add_post("/v1/load_lora_adapter", load_lora)
     app.router.add_post("/v1/unload_lora_adapter", unload_lora)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_get("/version", version)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/fake/stats", fake_stats)

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from openai import OpenAI
 
@@ -170,6 +171,21 @@ def test_completions_and_chat_streaming_and_not(deployment: Deployment) -> None:
         text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
         assert text
         assert [m.id for m in client.models.list()] == [MODEL]
+
+
+def test_vllms_own_api_through_the_gateway(deployment: Deployment) -> None:
+    """vLLM's /tokenize, /detokenize and /version answer through the gateway as the replicas do; its runtime adapter
+    API is refused (403, OpenAI-style) and never reaches a replica."""
+    with httpx.Client(base_url=deployment.url, timeout=60) as http:
+        tokens = http.post("/tokenize", json={"model": MODEL, "prompt": "Hello there"}).json()
+        with deployment.client() as client:
+            done = client.completions.create(model=MODEL, prompt="Hello there", max_tokens=1)
+        assert done.usage is not None and tokens["count"] == done.usage.prompt_tokens == len(tokens["tokens"])
+        text = http.post("/detokenize", json={"model": MODEL, "tokens": tokens["tokens"]}).json()["prompt"]
+        assert "Hello there" in text
+        assert http.get("/version").json()["version"]
+        refused = http.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/etc"})
+        assert refused.status_code == 403 and refused.json()["error"]["type"] == "permission_error"
 
 
 def test_both_replicas_serve(deployment: Deployment) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import aiohttp
 import openai
 import pytest
+from yarl import URL
 
 from tests.conftest import FakeFactory, GatewayFactory
 
@@ -106,6 +107,61 @@ async def test_embeddings_and_other_v1_paths(fake_replica: FakeFactory, gateway_
         async with session.post(gw.base_url + "/unknown/thing", json={"model": "fake-model"}) as resp:
             assert resp.status == 404  # the replica's own answer, passed through
             assert resp.headers["x-gateway-replica"] == fake.url
+
+
+async def test_vllm_paths_outside_v1_go_to_a_replica_of_the_model(fake_replica: FakeFactory,
+                                                                  gateway_for: GatewayFactory) -> None:
+    """vLLM's /tokenize (and the rest of its own API outside /v1) is proxied to a replica serving the body's
+    model; /version to any; a path of neither is the gateway's 404."""
+    a = await fake_replica(model="model-a")
+    b = await fake_replica(model="model-b")
+    gw = await gateway_for([a.url, b.url])
+    async with aiohttp.ClientSession() as session:
+        for model in ("model-a", "model-b", "model-b"):
+            async with session.post(gw.url + "/tokenize", json={"model": model, "prompt": "one two three"}) as resp:
+                assert resp.status == 200
+                assert await resp.json() == {"count": 3, "tokens": [0, 1, 2], "max_model_len": 2048, "model": model}
+        async with session.get(gw.url + "/version") as resp:
+            assert resp.status == 200 and await resp.json() == {"version": "fake"}
+        async with session.post(gw.url + "/tokenize", json={"model": "nope", "prompt": "x"}) as resp:
+            assert resp.status == 404 and (await resp.json())["error"]["code"] == "model_not_found"
+        async with session.get(gw.url + "/tokenizer_info") as resp:
+            assert resp.status == 404 and (await resp.json())["error"]["type"] == "not_found_error"
+
+
+async def test_clients_cannot_load_or_unload_adapters_on_replicas(fake_replica: FakeFactory,
+                                                                 gateway_for: GatewayFactory) -> None:
+    """vLLM's runtime adapter API is refused (403) however the path is spelled: a client's string is never a path
+    a replica loads, and what the gateway loaded is not unloaded behind it."""
+    fake = await fake_replica()
+    gw = await gateway_for([fake.url])
+    fake.stats.adapters["a0"] = "/registered/a0"
+    async with aiohttp.ClientSession() as session:
+        for path, body in [("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "/etc"}),
+                           ("/v1/load%5Flora_adapter", {"lora_name": "x", "lora_path": "/etc"}),
+                           ("/v1/load_lora_adapter/", {"lora_name": "x", "lora_path": "/etc"}),
+                           ("/v1/unload_lora_adapter", {"lora_name": "a0"}),
+                           ("/v1%2Funload_lora_adapter", {"lora_name": "a0"})]:
+            async with session.post(URL(gw.url + path, encoded=True), json=body) as resp:  # as sent
+                error = (await resp.json())["error"]
+                assert (resp.status, error["type"], error["code"]) == (403, "permission_error", "forbidden"), path
+    assert fake.stats.adapters == {"a0": "/registered/a0"} and not fake.stats.lora_events
+
+
+async def test_a_percent_encoded_path_is_routed_as_the_replica_reads_it(fake_replica: FakeFactory,
+                                                                         gateway_for: GatewayFactory) -> None:
+    """/v1/%63ompletions is /v1/completions to vLLM, so the gateway parses it as one (its checks, its limits)
+    instead of passing it through as some other /v1 path."""
+    fake = await fake_replica()
+    gw = await gateway_for([fake.url])
+    async with aiohttp.ClientSession() as session:
+        async with session.post(URL(gw.url + "/v1/%63ompletions", encoded=True), json={"model": "fake-model"}) as resp:
+            assert resp.status == 400
+            assert (await resp.json())["error"]["message"] == "you must provide a prompt parameter"
+        async with session.post(URL(gw.url + "/v1/%63ompletions", encoded=True), json={"model": "fake-model", "prompt": "p",
+                                                                     "max_tokens": 2}) as resp:
+            assert resp.status == 200 and (await resp.json())["choices"][0]["text"] == " tok" * 2
+    assert len(fake.stats.bodies) == 1  # the first never reached it
 
 
 async def test_health_ready_and_metrics(fake_replica: FakeFactory, gateway_for: GatewayFactory) -> None:

@@ -25,6 +25,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+from yarl import URL
 
 from gateway import server as server_module
 from gateway import tokens as tokens_module
@@ -752,7 +753,7 @@ def test_exposure_defaults() -> None:
 
 
 async def test_keys_guard_v1_and_never_reach_the_replicas(aiohttp_server: Any, gateway_for: GatewayFactory) -> None:
-    """With api_keys, /v1/* needs a key while /health, /ready and /metrics stay open; what reaches a replica is the
+    """With api_keys, /v1/* (and vLLM's /tokenize and the like) needs a key while /health, /ready and /metrics stay open; what reaches a replica is the
     method, path, body (re-framed with a Content-Length), Content-Type, the request id and the upstream key: not
     the client's key, cookies or other headers."""
     from aiohttp import web
@@ -778,6 +779,9 @@ async def test_keys_guard_v1_and_never_reach_the_replicas(aiohttp_server: Any, g
                 assert resp.status == 200, path
         async with session.get(gw.url + "/v1/models") as resp:
             assert resp.status == 401
+        for path in ("/tokenize", "/v1/%6Dodels"):  # vLLM's own API that the gateway proxies; a path encoded
+            async with session.post(URL(gw.url + path, encoded=True), json={"prompt": "x"}) as resp:
+                assert resp.status == 401, path
         async def chunks() -> AsyncIterator[bytes]:
             yield b'{"model": "fake-model", '
             yield b'"prompt": "x", "max_tokens": 2}'
