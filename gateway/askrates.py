@@ -20,14 +20,34 @@ taken at the rate they asked at when they last asked, not decayed to now: a kind
 is still one the headroom is kept for, and comparing with its decayed rate made the one kind still asking look like
 a flood (run 20). Kinds are kept while they asked within `keep_s` (at most `max_kinds` a band); each band keeps
 the sum of its kinds' last rates, so a test costs O(1).
+
+A kind that has just started asking (or started again after `keep_s` of silence) has had no time to build up its
+count: a flood's first requests counted about as much as a light tenant's last second, so for the flood's first
+0.2-0.3 s the test said "no flood" and the flood took every free slot (the tenants case's "early" slow requests,
+docs/priority.md). So a kind's rate is read as a moving average started at zero is corrected: what it asked for
+after its first request, over the share of a steady rate's count it could have built since, `1 - exp(-age /
+tau_s)` (with `age` at least `min_age_s`, so two requests together are not a rate without bound). A steady kind's
+age is long and its correction nil. A kind's first request alone says nothing of its rate: it counts as is, as
+before. So a new kind asking at 10 x the others' rate outpaces them from its second request, and the queue holds
+a kind with nothing queued once it has asked twice (`PriorityOrder.FLOOD_ASKS`, gateway/fairqueue.py).
 """
 
 from __future__ import annotations
 
 import math
 from collections import OrderedDict
+from typing import NamedTuple
 
 Kind = tuple[str, int]  # (tenant, priority)
+
+
+class _Asker(NamedTuple):
+    tokens: float  # tokens asked for, decayed to `at`
+    at: float  # when it last asked
+    since: float  # when it started asking (again, after `keep_s` of silence)
+    first: float  # the tokens it asked for then
+    asks: int  # requests asked for since then
+    rate: float  # its rate at `at` (`_rate`): what it adds to its band's `last_sum`
 
 
 class _Band:
@@ -35,18 +55,20 @@ class _Band:
 
     def __init__(self) -> None:
         self.at = 0.0  # when a kind of the band last asked
-        self.kinds: OrderedDict[str, tuple[float, float]] = OrderedDict()  # tenant -> (decayed tokens, when), by when
-        self.last_sum = 0.0  # the sum of the kinds' decayed tokens as of their last ask
+        self.kinds: OrderedDict[str, _Asker] = OrderedDict()  # by tenant, least recently asking first
+        self.last_sum = 0.0  # the sum of the kinds' rates as of their last ask
 
 
 class AskRates:
     """Decayed counts of the tokens each kind asked for, by band."""
 
-    def __init__(self, tau_s: float, keep_s: float, max_bands: int, max_kinds: int = 65536) -> None:
+    def __init__(self, tau_s: float, keep_s: float, max_bands: int, max_kinds: int = 65536,
+                 min_age_s: float = 0.1) -> None:
         self.tau_s = tau_s
         self.keep_s = keep_s
         self.max_bands = max_bands
         self.max_kinds = max_kinds  # a band's kinds kept (a tenant header lets clients name any tenant)
+        self.min_age_s = min_age_s  # the shortest time a new kind's count is taken to have been built over
         self._bands: dict[int, _Band] = {}
 
     def ask(self, kind: Kind, now: float, tokens: float = 1.0) -> None:
@@ -58,46 +80,62 @@ class AskRates:
                 del self._bands[min(self._bands, key=lambda p: self._bands[p].at)]
             band = self._bands[priority] = _Band()
         band.at = now
-        count, at = band.kinds.pop(tenant, (0.0, now))
-        band.last_sum -= count
-        count = count * self._decay(now - at) + tokens
-        band.kinds[tenant] = (count, now)
-        band.last_sum += count
-        self._forget(band, now)
+        self._forget(band, now)  # (first: a kind silent past keep_s starts again)
+        old = band.kinds.pop(tenant, None)
+        if old is None:
+            asker = _Asker(tokens, now, now, tokens, 1, tokens)
+        else:
+            band.last_sum -= old.rate
+            count, asks = old.tokens * self._decay(now - old.at) + tokens, old.asks + 1
+            asker = _Asker(count, now, old.since, old.first, asks, self._rate(count, asks, old, now))
+        band.kinds[tenant] = asker
+        band.last_sum += asker.rate
         if len(band.kinds) > self.max_kinds:  # the least recently asking kind goes first
-            band.last_sum -= band.kinds.popitem(last=False)[1][0]
+            band.last_sum -= band.kinds.popitem(last=False)[1].rate
 
     def asked_within(self, priority: int, now: float, seconds: float) -> bool:
         """Whether a band more urgent than `priority` (a lower value) asked for a slot within `seconds`."""
         return any(p < priority and now - band.at <= seconds for p, band in self._bands.items())
 
-    def outpaces(self, kind: Kind, now: float, factor: float) -> bool:
+    def outpaces(self, kind: Kind, now: float, factor: float, asks: int = 0) -> bool:
         """Whether `kind` asks now at more than `factor` x the mean rate the other kinds of its band that asked
-        within `keep_s` asked at when they last asked (True when no other kind of its band did)."""
+        within `keep_s` asked at when they last asked (True when no other kind of its band did; with `asks`, False
+        then, and False until `kind` has asked `asks` times since it started)."""
         tenant, priority = kind
         band = self._bands.get(priority)
         if band is None:
-            return True
+            return not asks
         self._forget(band, now)
-        count, at = band.kinds.get(tenant, (0.0, now))
-        others = len(band.kinds) - (tenant in band.kinds)
+        mine = band.kinds.get(tenant)
+        others = len(band.kinds) - (mine is not None)
         if others <= 0:
-            return True
-        rest = max(band.last_sum - count, 0.0)
-        return count * self._decay(now - at) > factor * rest / others
+            return not asks
+        if mine is None or mine.asks < asks:
+            return False
+        rest = max(band.last_sum - mine.rate, 0.0)
+        return self._rate(mine.tokens * self._decay(now - mine.at), mine.asks, mine, now) > factor * rest / others
 
     def _forget(self, band: _Band, now: float) -> None:
         """Drop the kinds of `band` silent for more than `keep_s`."""
         kinds = band.kinds
         while kinds:
             oldest = next(iter(kinds))
-            count, at = kinds[oldest]
-            if now - at <= self.keep_s:
+            asker = kinds[oldest]
+            if now - asker.at <= self.keep_s:
                 break
             del kinds[oldest]
-            band.last_sum -= count
+            band.last_sum -= asker.rate
         if not kinds:
             band.last_sum = 0.0  # (no float drift outlives the band's kinds)
+
+    def _rate(self, count: float, asks: int, asker: _Asker, now: float) -> float:
+        """A kind's `count` at `now`, of `asks` requests since `asker.since`, as a steady rate's would be: what it
+        asked for after its first request (one request alone says nothing of a rate, so it is taken as is), over
+        the share of a steady rate's count it can have built in the time since (at least `min_age_s`)."""
+        if asks == 1:
+            return count
+        age = now - asker.since
+        return (count - asker.first * self._decay(age)) / -math.expm1(-max(age, self.min_age_s) / self.tau_s)
 
     def _decay(self, seconds: float) -> float:
         return math.exp(-max(seconds, 0.0) / self.tau_s)

@@ -70,6 +70,7 @@ class PriorityOrder:
     MAX_BANDS = 64  # bands whose asking rates are kept (clients may name any integer priority)
     ASK_TAU_S = 1.0  # time constant of the kinds' asking rates
     FLOOD_X = 2.0  # a kind asking for tokens past this many times the mean of the others of its band is a flood
+    FLOOD_ASKS = 2  # ... and held with nothing else of its own queued once it has asked this often since it started
 
     def __init__(self, fair: bool, headroom: int = 0, idle_s: float = 10.0,
                  clock: Callable[[], float] | None = None) -> None:
@@ -115,7 +116,10 @@ class PriorityOrder:
         a flood is not held back as the flood is; the virtual token counters cannot tell them apart, the lift evens
         them), or no other kind is queued or asked for a slot within `idle_s` (the headroom is lent: nobody else is
         using it), or its kind asks for tokens no faster than `FLOOD_X` x the mean of the other kinds of its band.
-        A call for a kind with nothing queued counts as that kind asking."""
+        With nothing else of its own queued, it is held only as that flood, once it has asked `FLOOD_ASKS` times
+        since it started asking: a flood's first requests, queued or not, must not take every free slot (its rate
+        is read as a new kind's: gateway/askrates.py). A call for a kind with nothing queued counts as that kind
+        asking."""
         if not self.headroom:
             return 0
         priority = info.priority or 0
@@ -125,7 +129,9 @@ class PriorityOrder:
             self._asked(kind)  # (a queued kind is known to be there: the wake loop asks for each waiter)
         if self._more_urgent_lately(priority):
             return self.headroom  # queued or not: a flood's first requests must not take a more urgent band's slots
-        if not (queued > 1 and priority >= max(self._priorities)):
+        if queued <= 1:  # nothing else of its own queued: held only as a flood of its band, once it has asked twice
+            return self.headroom if self._asks.outpaces(kind, self._clock(), self.FLOOD_X, self.FLOOD_ASKS) else 0
+        if priority < max(self._priorities):
             return 0
         if len(self._kinds) == 1:  # nobody else is queued: has anybody else asked lately?
             other = self._second if self._newest[0] == kind else self._newest
