@@ -32,10 +32,10 @@ CAP, HEADROOM, FLOOD, SAMPLES, GAP_S = 4, 2, 8, 30, 0.1  # tests/test_priority_v
 @contextmanager
 def counted(tally: collections.Counter[tuple[str, bool]]) -> Iterator[None]:
     """While open, every `AskRates.outpaces` answer is counted in `tally` by (tenant, answer)."""
-    original: Callable[[AskRates, Kind, float, float], bool] = AskRates.outpaces
+    original: Callable[[AskRates, Kind, float, float, int], bool] = AskRates.outpaces
 
-    def outpaces(self: AskRates, kind: Kind, now: float, factor: float) -> bool:
-        answer = original(self, kind, now, factor)
+    def outpaces(self: AskRates, kind: Kind, now: float, factor: float, asks: int = 0) -> bool:
+        answer = original(self, kind, now, factor, asks)
         tally[(kind[0], answer)] += 1
         return answer
 

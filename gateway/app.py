@@ -28,7 +28,7 @@ from .fairqueue import PriorityOrder
 from .health import HealthChecker
 from .lora import AdapterRouter, SharedHoldings, VllmAdapterApi, upstream_headers
 from .metrics import Metrics
-from .parsing import other_info, parse
+from .parsing import not_found, other_info, parse
 from .policies import make_policy
 from .proxy import Proxy
 from .ratelimit import TokenRates
@@ -52,6 +52,7 @@ _OWN_METHODS = {"/v1/completions": "POST", "/v1/chat/completions": "POST", "/v1/
 # models' scores and ranks, the engine's version
 _VLLM_PATHS = frozenset({"/tokenize", "/detokenize", "/pooling", "/classify", "/score", "/rerank", "/v2/rerank",
                          "/version"})
+_MODEL_PREFIX = "/v1/models/"  # one model's card: answered here, from the replicas' cards
 # vLLM's runtime adapter API: a client must not load any path on a replica, nor unload what the gateway routes to
 _REFUSED = frozenset({"/v1/load_lora_adapter", "/v1/unload_lora_adapter"})
 
@@ -232,6 +233,8 @@ class Gateway:
         if path.rstrip("/") in _REFUSED:
             raise GatewayError(403, f"{path} is not served to clients: adapters are loaded by the gateway, from the "
                                "names in its config (lora.adapters), when a request names one", code="forbidden")
+        if path.startswith(_MODEL_PREFIX) and request.method in ("GET", "HEAD"):
+            return self._model
         if not (path.startswith("/v1/") or path in _VLLM_PATHS):
             raise GatewayError(404, f"{request.method} {path}: Not Found", code="not_found")
         return self._other_v1
@@ -280,6 +283,19 @@ class Gateway:
 
     async def _models(self, request: Request, responder: Responder, request_id: str) -> Response:
         """The union of the healthy replicas' models."""
+        return _json({"object": "list", "data": list(self._cards().values())})
+
+    async def _model(self, request: Request, responder: Responder, request_id: str) -> Response:
+        """/v1/models/{id}: one model's card, as OpenAI's API serves it (vLLM's own server has no such path)."""
+        model = request.path[len(_MODEL_PREFIX):]
+        if not model:
+            return await self._models(request, responder, request_id)
+        card = self._cards().get(model)
+        if card is None:
+            raise not_found(model)
+        return _json(card)
+
+    def _cards(self) -> dict[str, dict[str, object]]:
         cards: dict[str, dict[str, object]] = {}
         for replica in self.router.healthy():
             for model_id in sorted(replica.models):
@@ -288,7 +304,7 @@ class Gateway:
             for spec in self.adapters.registry.values():
                 cards.setdefault(spec.name, {"id": spec.name, "object": "model", "owned_by": "smallserve",
                                              "root": spec.name, "parent": spec.base})
-        return _json({"object": "list", "data": list(cards.values())})
+        return cards
 
     async def _health(self, request: Request, responder: Responder, request_id: str) -> Response:
         return _json({"status": "ok"})

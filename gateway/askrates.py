@@ -99,18 +99,16 @@ class AskRates:
 
     def outpaces(self, kind: Kind, now: float, factor: float, asks: int = 0) -> bool:
         """Whether `kind` asks now at more than `factor` x the mean rate the other kinds of its band that asked
-        within `keep_s` asked at when they last asked (True when no other kind of its band did; with `asks`, False
-        then, and False until `kind` has asked `asks` times since it started)."""
+        within `keep_s` asked at when they last asked: False when no other kind of its band did (nobody is there
+        to keep a slot for), and False until `kind` has asked `asks` times since it started."""
         tenant, priority = kind
         band = self._bands.get(priority)
         if band is None:
-            return not asks
+            return False
         self._forget(band, now)
         mine = band.kinds.get(tenant)
         others = len(band.kinds) - (mine is not None)
-        if others <= 0:
-            return not asks
-        if mine is None or mine.asks < asks:
+        if others <= 0 or mine is None or mine.asks < asks:
             return False
         rest = max(band.last_sum - mine.rate, 0.0)
         return self._rate(mine.tokens * self._decay(now - mine.at), mine.asks, mine, now) > factor * rest / others

@@ -13,20 +13,24 @@ within a priority the tenant that has been served the fewest tokens, as in the V
   the tenants waiting (or, with the queue empty, to that of the last tenant to leave it), so a tenant cannot bank
   credit while idle and then take the replicas over.
 
-Headroom (`queue.headroom`, default 0): the last `headroom` of each replica's `max_requests` are kept for requests
-whose kind (tenant and priority) has nothing else queued, that are more urgent than another kind queued, (with
-fairness) whose tenant has fewer queued than another tenant of its band, or whose kind asks for tokens no faster
-than twice the mean of the other kinds of its band (gateway/askrates.py: a burst queued because it was held is not
-a flood; a closed loop of long requests is). A less urgent band never takes them while
-a more urgent one is queued or asked for a slot within `queue.headroom_idle_s`, queued or not: a batch flood's
+Headroom (`queue.headroom`, default 0): the last `headroom` of each replica's `max_requests` are kept from floods.
+A kind (tenant and priority) asking for tokens faster than twice the mean of the other kinds of its band
+(gateway/askrates.py) is held to `max_requests - headroom` when it has others queued, and with nothing else queued
+once it has asked twice since it started (a flood's first requests). A burst, queued only because it was held,
+asks no faster than the others and is not held; nor is a kind whose tenant has fewer queued than another tenant of
+its band, or one more urgent than another kind queued. A less urgent band never takes them while a more urgent
+one is queued or asked for a slot within `queue.headroom_idle_s`, queued or not: a batch flood's
 first requests, which find nothing of their own queued, cannot take the slots interactive requests use. A
 tenant or band sending past its share always has requests queued, so it fills replicas only up to
 `max_requests - headroom`; a request of anyone within their share
 then finds a free batch slot at once instead of waiting for one to free (its time to first token stays what it is
 with the pool to itself). It costs `headroom / max_requests` of the batch while a flood lasts: near the throughput
 plateau the planner's batch cap sits on, little throughput. It is lent while nobody else uses it: when no other
-kind has asked for a slot for `queue.headroom_idle_s` (default 10 s), a flood alone fills the replicas; the first
-request of another kind then waits for one slot to free, and from then on the headroom is kept again.
+kind of its band (nor a more urgent one) has asked for a slot for `queue.headroom_idle_s` (default 10 s), a flood
+alone fills the replicas; the first request of another kind then waits for one slot to free, and from then on the
+headroom is kept again. Asking is counted when a request arrives, not when it leaves the queue: a flood's queue
+draining for seconds after its last request is not another kind asking (it held the one kind still asking to the
+last free slots: docs/priority.md).
 
 Counters are kept for the `MAX_TENANTS` most recently seen tenants; a forgotten one starts again at the lift.
 """
@@ -78,9 +82,6 @@ class PriorityOrder:
         self.headroom = headroom
         self.idle_s = idle_s  # the headroom is lent to a flood when no other kind asked for this long
         self._clock = clock or _loop_time
-        # the last two kinds to ask for a slot (or leave the queue), and when: whether another kind asked lately
-        self._newest: tuple[tuple[str, int] | None, float] = (None, 0.0)
-        self._second: tuple[tuple[str, int] | None, float] = (None, 0.0)
         self._asks = AskRates(self.ASK_TAU_S, idle_s, self.MAX_BANDS, self.MAX_TENANTS)  # only with a headroom
         self.counters: OrderedDict[str, float] = OrderedDict()
         self._waiting: dict[str, int] = {}  # tenants with requests queued, and how many
@@ -109,34 +110,27 @@ class PriorityOrder:
             self._asks.ask(kind, self._clock(), info.cost)  # a new request (only new ones start waiting)
 
     def reserve(self, info: RequestInfo) -> int:
-        """Slots of each replica `info` must leave free: the headroom if a more urgent priority is queued or asked
-        for a slot within `idle_s` (whether or not `info`'s kind has anything queued), or if others of its kind are
-        queued too, unless a less urgent kind is queued (then the headroom is kept from that one: its requests come
-        after), or, with fairness, another tenant of its band has more queued (a light tenant's burst queued beside
-        a flood is not held back as the flood is; the virtual token counters cannot tell them apart, the lift evens
-        them), or no other kind is queued or asked for a slot within `idle_s` (the headroom is lent: nobody else is
-        using it), or its kind asks for tokens no faster than `FLOOD_X` x the mean of the other kinds of its band.
-        With nothing else of its own queued, it is held only as that flood, once it has asked `FLOOD_ASKS` times
-        since it started asking: a flood's first requests, queued or not, must not take every free slot (its rate
-        is read as a new kind's: gateway/askrates.py). A call for a kind with nothing queued counts as that kind
-        asking."""
+        """Slots of each replica `info` must leave free: the headroom when a more urgent priority is queued or asked
+        for a slot within `idle_s` (whether or not `info`'s kind has anything queued), or when its kind is a flood
+        of its band: it asks for tokens at more than `FLOOD_X` x the mean rate of the other kinds of its band that
+        asked within `idle_s` (gateway/askrates.py; with none, the headroom is lent: nobody is there to keep it
+        for). A flood with nothing else of its own queued is held once it has asked `FLOOD_ASKS` times since it
+        started asking: its first requests must not take every free slot. One with others queued is not held when
+        a less urgent kind is queued (the headroom is kept from that one: its requests come after) or, with
+        fairness, when another tenant of its band has more queued (that one is the flood: a light tenant's burst
+        queued beside it is not held back as it is; the virtual token counters cannot tell them apart, the lift
+        evens them)."""
         if not self.headroom:
             return 0
         priority = info.priority or 0
         kind = (info.tenant, priority)
         queued = self._kinds.get(kind, 0)
-        if not queued:
-            self._asked(kind)  # (a queued kind is known to be there: the wake loop asks for each waiter)
         if self._more_urgent_lately(priority):
             return self.headroom  # queued or not: a flood's first requests must not take a more urgent band's slots
         if queued <= 1:  # nothing else of its own queued: held only as a flood of its band, once it has asked twice
             return self.headroom if self._asks.outpaces(kind, self._clock(), self.FLOOD_X, self.FLOOD_ASKS) else 0
         if priority < max(self._priorities):
             return 0
-        if len(self._kinds) == 1:  # nobody else is queued: has anybody else asked lately?
-            other = self._second if self._newest[0] == kind else self._newest
-            if other[0] is None or self._clock() - other[1] > self.idle_s:
-                return 0  # no: the headroom is lent
         if self.fair and len(self._waiting) > 1:
             tenant = info.tenant
             if any(n > queued for (t, p), n in self._kinds.items() if p == priority and t != tenant):
@@ -144,12 +138,6 @@ class PriorityOrder:
         if not self._asks.outpaces(kind, self._clock(), self.FLOOD_X):
             return 0  # it asks for no more than the others of its band: a burst, queued because it was held
         return self.headroom
-
-    def _asked(self, kind: tuple[str, int]) -> None:
-        """`kind` asked for a slot (or left the queue) now."""
-        if kind != self._newest[0]:
-            self._second = self._newest
-        self._newest = (kind, self._clock())
 
     def _more_urgent_lately(self, priority: int) -> bool:
         """Whether a more urgent priority than `priority` is queued, or asked for a slot within `idle_s`."""
@@ -161,8 +149,6 @@ class PriorityOrder:
         tenant = info.tenant
         priority = info.priority or 0
         kind = (tenant, priority)
-        if self.headroom:
-            self._asked(kind)
         count = self._kinds.get(kind, 0) - 1
         if count > 0:
             self._kinds[kind] = count

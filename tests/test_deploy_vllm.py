@@ -174,12 +174,13 @@ def test_completions_and_chat_streaming_and_not(deployment: Deployment) -> None:
 
 
 def test_vllms_own_api_through_the_gateway(deployment: Deployment) -> None:
-    """vLLM's /tokenize, /detokenize and /version answer through the gateway as the replicas do; its runtime adapter
-    API is refused (403, OpenAI-style) and never reaches a replica."""
+    """vLLM's /tokenize, /detokenize and /version answer through the gateway as the replicas do, and OpenAI's
+    /v1/models/{id} too; vLLM's runtime adapter API is refused (403, OpenAI-style) and never reaches a replica."""
     with httpx.Client(base_url=deployment.url, timeout=60) as http:
         tokens = http.post("/tokenize", json={"model": MODEL, "prompt": "Hello there"}).json()
         with deployment.client() as client:
             done = client.completions.create(model=MODEL, prompt="Hello there", max_tokens=1)
+            assert client.models.retrieve(MODEL).id == MODEL  # answered by the gateway: vLLM has no such path
         assert done.usage is not None and tokens["count"] == done.usage.prompt_tokens == len(tokens["tokens"])
         text = http.post("/detokenize", json={"model": MODEL, "tokens": tokens["tokens"]}).json()["prompt"]
         assert "Hello there" in text

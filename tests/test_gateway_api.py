@@ -84,6 +84,23 @@ async def test_models_is_the_union_of_healthy_replicas(fake_replica: FakeFactory
     assert sorted(models) == ["model-a", "model-b"]
 
 
+async def test_one_models_card_as_openai_serves_it(fake_replica: FakeFactory, gateway_for: GatewayFactory) -> None:
+    """`client.models.retrieve` works through the gateway (vLLM's server has no /v1/models/{id}): a served model's
+    card, a name with a slash in it included, and an OpenAI-style 404 for one that no replica serves."""
+    a = await fake_replica(model="model-a")
+    b = await fake_replica(model="org/model-b")
+    gw = await gateway_for([a.url, b.url])
+    async with openai.AsyncOpenAI(base_url=gw.base_url, api_key="none") as client:
+        assert (await client.models.retrieve("model-a")).id == "model-a"
+        assert (await client.models.retrieve("org/model-b")).id == "org/model-b"
+        with pytest.raises(openai.NotFoundError) as missing:
+            await client.models.retrieve("nope")
+    assert missing.value.code == "model_not_found"
+    async with aiohttp.ClientSession() as session:
+        async with session.get(gw.url + "/v1/models/") as resp:
+            assert sorted(m["id"] for m in (await resp.json())["data"]) == ["model-a", "org/model-b"]
+
+
 async def test_requests_go_only_to_replicas_serving_the_model(fake_replica: FakeFactory,
                                                               gateway_for: GatewayFactory) -> None:
     """Each request reaches only replicas that serve its model."""
