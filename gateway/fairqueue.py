@@ -16,7 +16,7 @@ within a priority the tenant that has been served the fewest tokens, as in the V
 Headroom (`queue.headroom`, default 0): the last `headroom` of each replica's `max_requests` are kept from floods.
 A kind (tenant and priority) asking for tokens faster than twice the mean of the other kinds of its band
 (gateway/askrates.py) is held to `max_requests - headroom` when it has others queued, and with nothing else queued
-once it has asked twice since it started (a flood's first requests). A burst, queued only because it was held,
+once it has asked twice in the first second since it started (a flood's first requests). A burst, queued only because it was held,
 asks no faster than the others and is not held; nor is a kind whose tenant has fewer queued than another tenant of
 its band, or one more urgent than another kind queued. A less urgent band never takes them while a more urgent
 one is queued or asked for a slot within `queue.headroom_idle_s`, queued or not: a batch flood's
@@ -114,8 +114,8 @@ class PriorityOrder:
         for a slot within `idle_s` (whether or not `info`'s kind has anything queued), or when its kind is a flood
         of its band: it asks for tokens at more than `FLOOD_X` x the mean rate of the other kinds of its band that
         asked within `idle_s` (gateway/askrates.py; with none, the headroom is lent: nobody is there to keep it
-        for). A flood with nothing else of its own queued is held once it has asked `FLOOD_ASKS` times since it
-        started asking: its first requests must not take every free slot. One with others queued is not held when
+        for). A flood with nothing else of its own queued is held once it has asked `FLOOD_ASKS` times in the first
+        `ASK_TAU_S` since it started asking: its first requests must not take every free slot. One with others queued is not held when
         a less urgent kind is queued (the headroom is kept from that one: its requests come after) or, with
         fairness, when another tenant of its band has more queued (that one is the flood: a light tenant's burst
         queued beside it is not held back as it is; the virtual token counters cannot tell them apart, the lift
@@ -127,7 +127,7 @@ class PriorityOrder:
         queued = self._kinds.get(kind, 0)
         if self._more_urgent_lately(priority):
             return self.headroom  # queued or not: a flood's first requests must not take a more urgent band's slots
-        if queued <= 1:  # nothing else of its own queued: held only as a flood of its band, once it has asked twice
+        if queued <= 1:  # nothing else of its own queued: held only as a new flood of its band, once it asked twice
             return self.headroom if self._asks.outpaces(kind, self._clock(), self.FLOOD_X, self.FLOOD_ASKS) else 0
         if priority < max(self._priorities):
             return 0
