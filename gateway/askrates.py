@@ -29,10 +29,10 @@ after its first request, over the share of a steady rate's count it could have b
 tau_s)` (with `age` at least `min_age_s`, so two requests together are not a rate without bound). A steady kind's
 age is long and its correction nil. A kind's first request alone says nothing of its rate: it counts as is, as
 before. So a new kind asking at 10 x the others' rate outpaces them from its second request, and the queue holds
-a kind with nothing queued once it has asked twice, in its first `tau_s` (`PriorityOrder.FLOOD_ASKS`,
-gateway/fairqueue.py): a flood's first requests. Not after: a steady light tenant's count, its requests' lengths
-drawn as they come, goes past twice the others' now and then, and held with nothing queued it waited 0.1-0.2 s
-(bench.fairness_vllm run 39); a flood has requests queued by then, and the queue's own test holds it.
+a kind with nothing queued once it has asked twice and asks at 4 x the others' rate (`PriorityOrder.FLOOD_ASKS`,
+`ALONE_X`, gateway/fairqueue.py): a flood's first requests, and a flood whose queue has emptied for a moment. Not
+at 2 x: a steady light tenant's count, its requests' lengths drawn as they come, goes past twice the others' now
+and then, and held with nothing queued it waited 0.1-0.2 s (bench.fairness_vllm run 39).
 """
 
 from __future__ import annotations
@@ -103,9 +103,7 @@ class AskRates:
     def outpaces(self, kind: Kind, now: float, factor: float, asks: int = 0) -> bool:
         """Whether `kind` asks now at more than `factor` x the mean rate the other kinds of its band that asked
         within `keep_s` asked at when they last asked: False when no other kind of its band did (nobody is there
-        to keep a slot for). With `asks`, only a kind that started asking within `tau_s` and has asked `asks`
-        times since can: a new kind's test (a steady one's rate goes past twice the others' now and then by
-        chance, and the queue's test for a kind with nothing queued must not hold it then)."""
+        to keep a slot for), and False until `kind` has asked `asks` times since it started."""
         tenant, priority = kind
         band = self._bands.get(priority)
         if band is None:
@@ -115,7 +113,7 @@ class AskRates:
         others = len(band.kinds) - (mine is not None)
         if others <= 0 or mine is None:
             return False
-        if asks and (mine.asks < asks or now - mine.since > self.tau_s):
+        if mine.asks < asks:
             return False
         rest = max(band.last_sum - mine.rate, 0.0)
         return self._rate(mine.tokens * self._decay(now - mine.at), mine.asks, mine, now) > factor * rest / others

@@ -74,7 +74,8 @@ class PriorityOrder:
     MAX_BANDS = 64  # bands whose asking rates are kept (clients may name any integer priority)
     ASK_TAU_S = 1.0  # time constant of the kinds' asking rates
     FLOOD_X = 2.0  # a kind asking for tokens past this many times the mean of the others of its band is a flood
-    FLOOD_ASKS = 2  # ... and held with nothing else of its own queued once it has asked this often since it started
+    FLOOD_ASKS = 2  # ... held with nothing else of its own queued once it has asked this often since it started,
+    ALONE_X = 2.0  # ... and asks at this many times past FLOOD_X (a steady light tenant's count crosses FLOOD_X by chance)
 
     def __init__(self, fair: bool, headroom: int = 0, idle_s: float = 10.0,
                  clock: Callable[[], float] | None = None) -> None:
@@ -128,7 +129,8 @@ class PriorityOrder:
         if self._more_urgent_lately(priority):
             return self.headroom  # queued or not: a flood's first requests must not take a more urgent band's slots
         if queued <= 1:  # nothing else of its own queued: held only as a new flood of its band, once it asked twice
-            return self.headroom if self._asks.outpaces(kind, self._clock(), self.FLOOD_X, self.FLOOD_ASKS) else 0
+            alone_x = self.FLOOD_X * self.ALONE_X
+            return self.headroom if self._asks.outpaces(kind, self._clock(), alone_x, self.FLOOD_ASKS) else 0
         if priority < max(self._priorities):
             return 0
         if self.fair and len(self._waiting) > 1:
