@@ -186,6 +186,8 @@ class Router:
         else:
             waiting = sum(1 for w in self._waiters.values() if w.info.model == info.model)
         if waiting >= queue.max_size and not self._displace(info, model):
+            if self.order is not None:
+                self.order.refused(info)
             reason = "every replica is at its cap" + (" and the queue is full" if queue.max_size else "")
             raise GatewayError(429, f"{reason}; retry later", code="rate_limit_exceeded",
                                headers={"Retry-After": "1"})

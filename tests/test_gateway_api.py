@@ -175,8 +175,8 @@ async def test_a_percent_encoded_path_is_routed_as_the_replica_reads_it(fake_rep
         async with session.post(URL(gw.url + "/v1/%63ompletions", encoded=True), json={"model": "fake-model"}) as resp:
             assert resp.status == 400
             assert (await resp.json())["error"]["message"] == "you must provide a prompt parameter"
-        async with session.post(URL(gw.url + "/v1/%63ompletions", encoded=True), json={"model": "fake-model", "prompt": "p",
-                                                                     "max_tokens": 2}) as resp:
+        body = {"model": "fake-model", "prompt": "p", "max_tokens": 2}
+        async with session.post(URL(gw.url + "/v1/%63ompletions", encoded=True), json=body) as resp:
             assert resp.status == 200 and (await resp.json())["choices"][0]["text"] == " tok" * 2
     assert len(fake.stats.bodies) == 1  # the first never reached it
 

@@ -472,6 +472,29 @@ async def test_a_floods_queue_draining_is_not_another_kind_asking() -> None:
     await release_in_turn(burst)
 
 
+async def test_a_request_refused_at_a_full_queue_counts_as_asking() -> None:
+    """A flood whose newest requests are refused at a full queue is still asking: it is remembered as long as it
+    sends (uncounted, it was forgotten seconds before the tenants it flooded, and the next tenant asking at 3 x
+    their rates was held as a flood: bench.fairness_vllm run 42)."""
+    now = [0.0]
+    order = PriorityOrder(fair=True, headroom=2, clock=lambda: now[0])
+    r = router(order, max_size=2, max_requests=4)
+    held = [r.try_acquire(info("heavy")) for _ in range(4)]
+    queued = [asyncio.create_task(r.acquire(info("heavy"))) for _ in range(2)]
+    await settle()
+    now[0] = 9.0
+    with pytest.raises(GatewayError):
+        await r.acquire(info("heavy"))  # the queue is full
+    now[0] = 15.0  # 15 s after it was last queued, 6 s after it was last refused: within idle_s of that
+    order._asks.ask(("light", 0), now[0], 100)
+    assert "heavy" in order._asks._bands[0].kinds
+    for task in queued:
+        task.cancel()
+    await asyncio.gather(*queued, return_exceptions=True)
+    for lease in held:
+        lease.release()  # type: ignore[union-attr]
+
+
 async def test_a_closed_loop_flood_of_long_requests_is_held() -> None:
     """Clients of one tenant sending long requests back to back ask for a slot only as fast as they are served: as
     often as a light tenant asks for short ones. By the tokens asked for it is the flood: with all slots held and

@@ -753,9 +753,9 @@ def test_exposure_defaults() -> None:
 
 
 async def test_keys_guard_v1_and_never_reach_the_replicas(aiohttp_server: Any, gateway_for: GatewayFactory) -> None:
-    """With api_keys, /v1/* (and vLLM's /tokenize and the like) needs a key while /health, /ready and /metrics stay open; what reaches a replica is the
-    method, path, body (re-framed with a Content-Length), Content-Type, the request id and the upstream key: not
-    the client's key, cookies or other headers."""
+    """With api_keys, /v1/* (and vLLM's /tokenize and the like) needs a key while /health, /ready and /metrics stay
+    open; what reaches a replica is the method, path, body (re-framed with a Content-Length), Content-Type, the
+    request id and the upstream key: not the client's key, cookies or other headers."""
     from aiohttp import web
 
     from tests.fake_replica import FakeBehavior, make_app
