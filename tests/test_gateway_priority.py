@@ -319,17 +319,22 @@ def test_a_new_flood_outpaces_from_its_second_request() -> None:
     assert not any(rates.outpaces((tenant, 0), t + 0.075, 2.0) for tenant in ("a", "b", "c"))
 
 
-async def test_a_steady_tenant_past_twice_the_others_by_chance_is_held_only_once_queued() -> None:
-    """A steady light tenant's count goes past twice the others' now and then (a run of long requests): with
-    nothing of its own queued it is not held for that (the test there asks for `ALONE_X` x more: held, it waited
-    0.1-0.2 s in bench.fairness_vllm run 39), while a flood's rate, ten times the others', is held there too."""
-    now = [0.0]
-    order = PriorityOrder(fair=True, headroom=3, clock=lambda: now[0])
-    r = router(order, max_requests=4)
-    for step in range(20):  # 5 s: three light tenants at 4 requests/s each
+def lights_through(r: Router, now: list[float]) -> None:
+    """Through `r`, on the clock `now`: three light tenants of band 0 at 4 requests/s each for 5 s."""
+    for step in range(20):
         for k, tenant in enumerate(("a", "b", "c")):
             now[0] = step * 0.25 + k * 0.08
             r.try_acquire(info(tenant)).release()  # type: ignore[union-attr]
+
+
+async def test_a_steady_tenant_past_twice_the_others_by_chance_is_held_only_once_queued() -> None:
+    """A steady light tenant's count goes past twice the others' now and then (a run of long requests): with
+    nothing of its own queued it is not held for that (the test there asks for `ALONE_X` x more: held, it waited
+    0.1-0.2 s in bench.fairness_vllm run 39)."""
+    now = [0.0]
+    order = PriorityOrder(fair=True, headroom=3, clock=lambda: now[0])
+    r = router(order, max_requests=4)
+    lights_through(r, now)
     held = r.try_acquire(info("b"))  # one slot busy: with headroom 3 a held kind finds no room
     for i in range(6):  # "a" asks for twice its usual tokens, six times in 0.3 s
         now[0] = 5.0 + i * 0.05
@@ -418,16 +423,13 @@ async def test_a_kind_left_alone_after_a_flood_is_not_held_as_one() -> None:
 
 async def test_a_floods_first_requests_leave_the_headroom_within_a_band() -> None:
     """Three light tenants asking steadily; a new tenant's flood starts at 10 x their rate and finds nothing of
-    its own queued. From its third request it is held as a flood: it leaves the headroom free, so a light
+    its own queued. From its fourth request it is held as a flood: it leaves the headroom free, so a light
     request finds a slot at once (it took every free slot, and light requests in the flood's first 0.2-0.3 s
     waited for one: the tenants case's early slow requests, docs/priority.md)."""
     now = [0.0]
     order = PriorityOrder(fair=True, headroom=4, clock=lambda: now[0])
     r = router(order, max_requests=8)
-    for step in range(20):  # 5 s: three light tenants at 4 requests/s each
-        for k, tenant in enumerate(("a", "b", "c")):
-            now[0] = step * 0.25 + k * 0.08
-            r.try_acquire(info(tenant)).release()  # type: ignore[union-attr]
+    lights_through(r, now)
     flood = []
     for i in range(8):  # the flood at 40 requests/s, each request queued when it finds no room
         now[0] = 5.0 + i * 0.025
