@@ -111,9 +111,7 @@ class AskRates:
         self._forget(band, now)
         mine = band.kinds.get(tenant)
         others = len(band.kinds) - (mine is not None)
-        if others <= 0 or mine is None:
-            return False
-        if mine.asks < asks:
+        if others <= 0 or mine is None or mine.asks < asks:
             return False
         rest = max(band.last_sum - mine.rate, 0.0)
         return self._rate(mine.tokens * self._decay(now - mine.at), mine.asks, mine, now) > factor * rest / others

@@ -110,8 +110,7 @@ class PriorityOrder:
         kind = (tenant, priority)
         self._kinds[kind] = self._kinds.get(kind, 0) + 1
         self._priorities[priority] = self._priorities.get(priority, 0) + 1
-        if self.headroom:
-            self._asks.ask(kind, self._clock(), info.cost)  # a new request (only new ones start waiting)
+        self._ask(info)  # a new request (only new ones start waiting)
 
     def reserve(self, info: RequestInfo) -> int:
         """Slots of each replica `info` must leave free: the headroom when a more urgent priority is queued or asked
@@ -144,6 +143,11 @@ class PriorityOrder:
         if not self._asks.outpaces(kind, self._clock(), self.FLOOD_X):
             return 0  # it asks for no more than the others of its band: a burst, queued because it was held
         return self.headroom
+
+    def _ask(self, info: RequestInfo) -> None:
+        """A new request of `info`'s kind asked for a slot, leased, queued or refused (counted with a headroom)."""
+        if self.headroom:
+            self._asks.ask((info.tenant, info.priority or 0), self._clock(), info.cost)
 
     def _more_urgent_lately(self, priority: int) -> bool:
         """Whether a more urgent priority than `priority` is queued, or asked for a slot within `idle_s`."""
@@ -178,14 +182,13 @@ class PriorityOrder:
         flooded were remembered at their own rates, and the next tenant asking at 3 x theirs was held as a flood
         (bench.fairness_vllm runs 32, 33, 38 and 42: the priority case alone after a tenants' flood refused 70-156
         times, 37-46 requests 0.2-1.2 s in the gateway's queue; none where it was refused 0 times)."""
-        if self.headroom:
-            self._asks.ask((info.tenant, info.priority or 0), self._clock(), info.cost)
+        self._ask(info)
 
     def charge(self, info: RequestInfo) -> None:
         """`info` got a lease: its tokens count as served to its tenant."""
         cost = info.cost
-        if self.headroom and not self._waiting:  # nobody queued: a new request leased at once (else a waiter's)
-            self._asks.ask((info.tenant, info.priority or 0), self._clock(), cost)
+        if not self._waiting:  # nobody queued: a new request leased at once (else a waiter's, counted on arrival)
+            self._ask(info)
         if self.fair:
             tenant = info.tenant
             self._set(tenant, self.counters.get(tenant, self._last) + cost)
