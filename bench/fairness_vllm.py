@@ -264,7 +264,7 @@ async def measure(replica: str, args: argparse.Namespace, workdir: Path,
     print(f"capacity C = {cap:.1f} requests/s ({ENGINE_SEQS} clients straight to the replica)", file=sys.stderr)
     seeds: dict[int, dict[str, Any]] = {}
     traced = collector is not None
-    async with gateway_process(replica, args.cap, args.headroom, workdir,
+    async with gateway_process(replica, args.cap, args.headroom, workdir, queue_size=args.queue,
                                trace_url=collector.url if collector is not None else None) as url:
         for seed in range(args.seeds):
             rng = np.random.default_rng(seed)
@@ -360,6 +360,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--capacity-seconds", type=float, default=10.0)
     parser.add_argument("--cap", type=int, default=6, help="max_requests on the replica in the gateway")
     parser.add_argument("--headroom", type=int, default=4, help="queue.headroom")
+    parser.add_argument("--queue", type=int, default=1000, help="queue.max_size (a flood past it is refused, 429)")
     add_replica_cpus(parser)
     parser.add_argument("--trace", action="store_true", help="trace every protected request through the gateway "
                         "into vLLM and report where their time went (the replica this starts; not with --replica)")

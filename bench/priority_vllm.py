@@ -49,7 +49,7 @@ def replica_server(log: Path, cpus: tuple[int, ...] = (), trace_url: str | None 
     tracing = ("--otlp-traces-endpoint", trace_url) if trace_url else ()
     spec = ReplicaSpec(name="priority", model=str(ensure_tiny_model()), port=free_ports(), max_num_seqs=8,
                        max_model_len=512, cpu_kvcache_space_gib=1, served_model_name=MODEL,
-                       extra_args=("--scheduling-policy", "priority", *tracing))
+                       extra_args=("--scheduling-policy", "priority", "--dtype", "float32", *tracing))
     cpus = cpus or usable_cpus()
     env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": cpu_list(cpus)}
     if trace_url:
