@@ -262,9 +262,9 @@ class Gateway:
                     except GatewayError:
                         self.metrics.rejections.labels("tenant_token_rate").inc()
                         raise
-            acquire = adapters.acquire if adapters is not None and info.model in adapters.registry else None
+            placer = adapters if adapters is not None and info.model in adapters.registry else None
             assert self.proxy is not None
-            return await self.proxy.forward(request, responder, info, request_id, acquire)
+            return await self.proxy.forward(request, responder, info, request_id, placer)
         return handle
 
     async def _other_v1(self, request: Request, responder: Responder, request_id: str) -> Response | None:

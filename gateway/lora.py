@@ -369,6 +369,12 @@ class AdapterRouter:
         return min(idle, key=lambda n: (self.holdings.last_used(url, n), n)) if idle else None
 
     # -- what the replicas hold -------------------------------------------------------------------------------
+    def lost(self, url: str, name: str, at: float) -> None:
+        """The replica answered 404 for `name`, which the gateway counted as loaded there: it restarted (or was
+        told to unload it) since its list was last read. The next request for it there loads it again."""
+        self.holdings.set_held(url, name, False, at)
+        logger.warning("replica %s no longer holds adapter %s (restarted?); loading it again", url, name)
+
     async def sync(self, url: str) -> set[str]:
         """Read what the replica holds now and record it (events since the read began win over it)."""
         at = time.time()

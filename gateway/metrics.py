@@ -173,8 +173,8 @@ class _Families(Collector):
     def _counted(self, sums: dict[tuple[str, ...], list[float]]) -> Iterator[Metric]:
         requests = CounterMetricFamily("gateway_requests", "Requests answered, by replica, model and HTTP status",
                                        labels=["replica", "model", "status"])
-        retries = CounterMetricFamily("gateway_retries", "Requests retried on another replica, by reason",
-                                      labels=["reason"])
+        retries = CounterMetricFamily("gateway_retries", "Requests retried on another replica (adapter_missing: "
+                                      "after loading the adapter a replica had lost), by reason", labels=["reason"])
         rejections = CounterMetricFamily("gateway_rejections", "Requests refused, by reason", labels=["reason"])
         shed = CounterMetricFamily("gateway_connections_shed", "Client connections closed at the connection cap to "
                                    "make room for a new one, by reason", labels=["reason"])

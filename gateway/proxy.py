@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+import time
+from typing import Protocol
 
 from .config import GatewayConfig
 from .errors import GatewayError, overloaded
@@ -29,20 +30,30 @@ from .watchdogs import Watch, Watchdogs
 
 logger = logging.getLogger(__name__)
 
-Acquire = Callable[[RequestInfo, frozenset[str]], Awaitable[Lease]]
+
+class Adapters(Protocol):
+    """Leases for a LoRA adapter's requests (gateway/lora.py's AdapterRouter)."""
+
+    async def acquire(self, info: RequestInfo, exclude: frozenset[str]) -> Lease: ...
+
+    def lost(self, url: str, name: str, at: float) -> None: ...
+
+
 _SSE_EVENT = b"data:"
 _RETRY_STATUSES = (502, 503)
+_ADAPTER_MISSING = "adapter_missing"  # a replica answered 404 for an adapter the gateway counted as loaded there
 _MAX_HELD = 64 * 1024  # an SSE event longer than this is relayed in parts
 
 
 class _Retryable(Exception):
     """The replica failed before anything reached the client."""
 
-    def __init__(self, reason: str, status: int, message: str, eject_reason: str = "answered 502/503") -> None:
+    def __init__(self, reason: str, status: int, message: str,
+                 eject_reason: str | None = "answered 502/503") -> None:
         super().__init__(message)
         self.reason = reason
         self.status = status
-        self.eject_reason = eject_reason
+        self.eject_reason = eject_reason  # None: the replica is not at fault
 
 
 def _timed_out(url: str) -> _Retryable:
@@ -87,10 +98,12 @@ class Proxy:
             self._headers += f"Authorization: Bearer {config.upstream_api_key}\r\n".encode("latin-1")
 
     async def forward(self, request: Request, responder: Responder, info: RequestInfo,
-                      request_id: str, acquire: Acquire | None = None) -> Response | None:
+                      request_id: str, adapters: Adapters | None = None) -> Response | None:
         """Send the body to a replica (retrying on another while that is safe) and relay its answer.
 
-        `acquire` takes the lease instead of the router (a LoRA adapter's requests: gateway/lora.py).
+        `adapters` takes the lease instead of the router (a LoRA adapter's requests: gateway/lora.py). A replica
+        that answers 404 for the adapter no longer holds it (restarted since the gateway last read its list): the
+        request is retried once the adapter is loaded again, on that replica or the best.
         """
         loop = self._loop
         started = loop.time()
@@ -108,10 +121,10 @@ class Proxy:
         served: int | None = None  # output tokens of the replica's answer; None while none came
         try:
             for attempt in range(1, attempts + 1):
-                lease = self._router.lease_now(info, tried) if acquire is None else None
+                lease = self._router.lease_now(info, tried) if adapters is None else None
                 if lease is None:  # waiting for a replica with room (a LoRA adapter: for its replica and load)
                     trace.queued()
-                    lease = await (acquire or self._router.acquire)(info, tried)
+                    lease = await (self._router if adapters is None else adapters).acquire(info, tried)
                 trace.picked(lease)
                 watch = self._watchdogs.watch(self._config.timeouts.first_byte_s)
                 upstream: UpstreamResponse | None = None
@@ -119,14 +132,17 @@ class Proxy:
                 streams = False
                 try:
                     upstream, first, streams = await self._send(request, lease, info, request_id, watch,
-                                                                trace.attempt(lease, attempt))
+                                                                trace.attempt(lease, attempt), adapters is not None)
                     status = upstream.status
                     trace.first_byte()
                     answer = first
                     return await self._relay(responder, upstream, first, streams, lease, info, started, watch)
                 except _Retryable as exc:
                     trace.attempt_failed(exc.reason, exc.status)
-                    tried = tried | {lease.replica.url}
+                    if exc.reason == _ADAPTER_MISSING and adapters is not None:
+                        adapters.lost(lease.replica.url, info.model, time.time())
+                    else:
+                        tried = tried | {lease.replica.url}
                     if attempt == attempts or loop.time() >= deadline:
                         self._metrics.rejections.labels(exc.reason).inc()
                         raise GatewayError(exc.status, f"{exc} (after {attempt} attempt(s))",
@@ -163,9 +179,9 @@ class Proxy:
         return origin
 
     async def _send(self, request: Request, lease: Lease, info: RequestInfo, request_id: str,
-                    watch: Watch, trace_headers: bytes) -> tuple[UpstreamResponse, bytes, bool]:
+                    watch: Watch, trace_headers: bytes, adapter: bool) -> tuple[UpstreamResponse, bytes, bool]:
         """The replica's answer, its first chunk (or whole body) within the first-byte timeout, and whether it is
-        relayed as a stream."""
+        relayed as a stream. For a LoRA `adapter`'s request, a 404 is the replica's loss, not the client's."""
         replica = lease.replica
         origin = self._origin(replica.url)
         head = b"%b %b HTTP/1.1\r\nHost: %b\r\nContent-Length: %d\r\nX-Request-Id: %b\r\n%b%b\r\n" % (
@@ -176,6 +192,9 @@ class Proxy:
             response = await self._pool.request(origin, head, request.body)
             if response.status in _RETRY_STATUSES:
                 raise _Retryable(f"status_{response.status}", 502, f"replica {replica.url} answered {response.status}")
+            if adapter and response.status == 404:
+                raise _Retryable(_ADAPTER_MISSING, 502, f"replica {replica.url} no longer holds adapter "
+                                 f"`{info.model}`", eject_reason=None)
             streams = _streams(response, info)
             if streams:
                 first = await response.readany()
@@ -196,7 +215,8 @@ class Proxy:
             elif not isinstance(exc, (_Retryable, OSError)):
                 raise
             retryable = _retryable(failure, replica.url)
-            eject(replica, retryable.eject_reason)
+            if retryable.eject_reason is not None:
+                eject(replica, retryable.eject_reason)
             raise retryable from None
         if response.status >= 500:
             eject(replica, f"answered {response.status}")

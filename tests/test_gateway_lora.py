@@ -188,6 +188,28 @@ async def test_failed_load_answers_every_waiter_502_not_500(fake_replica: FakeFa
     assert f'gateway_lora_load_failures_total{{adapter="a2",replica="{fake.url}"}} 1.0' in metrics
 
 
+async def test_an_adapter_a_replica_lost_is_loaded_again(fake_replica: FakeFactory,
+                                                         gateway_for: GatewayFactory) -> None:
+    """A replica restarted between two syncs has lost its adapters while the gateway still counts them held: its
+    404 for the adapter is not the client's answer. The gateway loads the adapter again and retries, streamed or
+    not, without ejecting the replica; a base-model 404 (a name nobody serves) is still the client's."""
+    fake = await fake_replica()
+    gw = await gateway_for([fake.url], lora=lora())
+    async with aiohttp.ClientSession() as session:
+        assert (await complete(session, gw, "a0"))[0] == 200
+        fake.stats.adapters.clear()  # restarted: vLLM starts with no adapter loaded
+        status, body, _ = await complete(session, gw, "a0")
+        assert status == 200 and body["model"] == "a0"
+        fake.stats.adapters.clear()
+        assert (await complete(session, gw, "a0", stream=True))[0] == 200
+        assert (await complete(session, gw, "nobody-serves-this"))[0] == 404
+        async with session.get(gw.url + "/metrics") as resp:
+            metrics = await resp.text()
+    assert loads(fake) == ["a0", "a0", "a0"]
+    assert gw.gateway.router.replicas[fake.url].healthy
+    assert 'gateway_retries_total{reason="adapter_missing"} 2.0' in metrics
+
+
 async def test_slow_load_times_out_with_504(fake_replica: FakeFactory, gateway_for: GatewayFactory) -> None:
     """A load slower than load_timeout_s: 504, bounded."""
     fake = await fake_replica(lora_load_s=2.0)
