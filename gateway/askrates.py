@@ -28,11 +28,13 @@ docs/priority.md). So a kind's rate is read as a moving average started at zero 
 after its first request, over the share of a steady rate's count it could have built since, `1 - exp(-age /
 tau_s)` (with `age` at least `min_age_s`, so two requests together are not a rate without bound). A steady kind's
 age is long and its correction nil. A kind's first request alone says nothing of its rate: it counts as is, as
-before. So a new kind asking at 10 x the others' rate outpaces them from its second request, and the queue holds
-a kind with nothing queued once it has asked twice and asks at 4 x the others' rate (`PriorityOrder.FLOOD_ASKS`,
-`ALONE_X`, gateway/fairqueue.py): a flood's first requests, and a flood whose queue has emptied for a moment. Not
-at 2 x: a steady light tenant's count, its requests' lengths drawn as they come, goes past twice the others' now
-and then, and held with nothing queued it waited 0.1-0.2 s (bench.fairness_vllm run 39).
+before, except in a band whose kinds have just started asking together (a fresh gateway), where it is read over
+the band's age as a second request is over its kind's (`_first_rate`). So a new kind asking at 10 x the others'
+rate outpaces them from its second request, and the queue holds a kind with nothing queued once it has asked twice
+and asks at 4 x the others' rate (`PriorityOrder.FLOOD_ASKS`, `ALONE_X`, gateway/fairqueue.py): a flood's first
+requests, and a flood whose queue has emptied for a moment. Not at 2 x: a steady light tenant's count, its
+requests' lengths drawn as they come, goes past twice the others' now and then, and held with nothing queued it
+waited 0.1-0.2 s (bench.fairness_vllm run 39).
 """
 
 from __future__ import annotations
@@ -54,10 +56,11 @@ class _Asker(NamedTuple):
 
 
 class _Band:
-    __slots__ = ("at", "kinds", "last_sum")
+    __slots__ = ("at", "kinds", "last_sum", "since")
 
-    def __init__(self) -> None:
+    def __init__(self, now: float) -> None:
         self.at = 0.0  # when a kind of the band last asked
+        self.since = now  # when its kinds started asking (again, after every one had gone silent)
         self.kinds: OrderedDict[str, _Asker] = OrderedDict()  # by tenant, least recently asking first
         self.last_sum = 0.0  # the sum of the kinds' rates as of their last ask
 
@@ -66,12 +69,13 @@ class AskRates:
     """Decayed counts of the tokens each kind asked for, by band."""
 
     def __init__(self, tau_s: float, keep_s: float, max_bands: int, max_kinds: int = 65536,
-                 min_age_s: float = 0.1) -> None:
+                 min_age_s: float = 0.1, first_age_s: float = 0.25) -> None:
         self.tau_s = tau_s
         self.keep_s = keep_s
         self.max_bands = max_bands
         self.max_kinds = max_kinds  # a band's kinds kept (a tenant header lets clients name any tenant)
         self.min_age_s = min_age_s  # the shortest time a new kind's count is taken to have been built over
+        self.first_age_s = first_age_s  # ... and a young band's first requests (`_first_rate`)
         self._bands: dict[int, _Band] = {}
 
     def ask(self, kind: Kind, now: float, tokens: float = 1.0) -> None:
@@ -81,12 +85,14 @@ class AskRates:
         if band is None:
             if len(self._bands) >= self.max_bands:  # clients may name any integer: forget the longest silent band
                 del self._bands[min(self._bands, key=lambda p: self._bands[p].at)]
-            band = self._bands[priority] = _Band()
+            band = self._bands[priority] = _Band(now)
         band.at = now
         self._forget(band, now)  # (first: a kind silent past keep_s starts again)
+        if not band.kinds:
+            band.since = now
         old = band.kinds.pop(tenant, None)
         if old is None:
-            asker = _Asker(tokens, now, now, tokens, 1, tokens)
+            asker = _Asker(tokens, now, now, tokens, 1, self._first_rate(tokens, now - band.since))
         else:
             band.last_sum -= old.rate
             count, asks = old.tokens * self._decay(now - old.at) + tokens, old.asks + 1
@@ -137,6 +143,17 @@ class AskRates:
             return count
         age = now - asker.since
         return (count - asker.first * self._decay(age)) / -math.expm1(-max(age, self.min_age_s) / self.tau_s)
+
+    def _first_rate(self, tokens: float, band_age: float) -> float:
+        """A kind's rate on its first request, in a band whose kinds started asking `band_age` ago: as is in a
+        band that has been asking (one request says nothing of a rate), but in a band that has just started
+        (a fresh gateway: every kind new) as if the request were the count of the band's age, as a second request
+        is read over the kind's age. Else, at a cold start, a tenant whose second request came close behind its
+        first asked at ten times the others' first requests, and was held as a flood (bench.fairness_vllm:
+        1-6 requests 0.1-0.25 s in the gateway's queue in the first phase of runs 38, 39, 41 and 43). Read over
+        at least `first_age_s`, not `min_age_s`: a flood starting with the band is still held from its fourth
+        request or so, as before (docs/priority.md)."""
+        return tokens / -math.expm1(-max(band_age, self.first_age_s) / self.tau_s)
 
     def _decay(self, seconds: float) -> float:
         return math.exp(-max(seconds, 0.0) / self.tau_s)

@@ -364,6 +364,21 @@ def test_a_new_kind_at_the_others_rate_does_not_outpace() -> None:
             cold.ask((tenant, 0), now)
 
 
+def test_at_a_cold_start_a_tenants_close_requests_are_not_a_flood() -> None:
+    """A fresh gateway: every tenant new. One whose second request comes close behind its first is not a flood
+    beside the others' first requests (each read over the band's age, as its second is over its own: read as is,
+    it asked at ten times theirs and was held, bench.fairness_vllm's first phases). A flood starting with them
+    still is, within its first tenth of a second."""
+    cold = AskRates(tau_s=1.0, keep_s=10.0, max_bands=64)
+    for tenant, at in (("a", 0.0), ("b", 0.02), ("c", 0.05), ("a", 0.06)):
+        cold.ask((tenant, 0), at)
+    assert not cold.outpaces(("a", 0), 0.061, 4.0, asks=2)
+    for i in range(10):  # a flood at 100/s beside them (and each light tenant's next request at 0.2 s)
+        cold.ask(("flood", 0), 0.07 + i * 0.01)
+    assert cold.outpaces(("flood", 0), 0.17, 4.0, asks=2)
+    assert not any(cold.outpaces((tenant, 0), 0.17, 2.0) for tenant in ("a", "b", "c"))
+
+
 async def release_in_turn(waiting: list[asyncio.Task[Any]]) -> None:
     """Each of `waiting`'s leases, once it has one, released: a request held back gets its lease as earlier ones
     end, one at a time."""
