@@ -20,9 +20,10 @@ import argparse
 import numpy as np
 
 from gateway.askrates import AskRates
+from gateway.fairqueue import PriorityOrder
 
 LIGHT_RATE, LIGHTS, FLOOD_RATE, SECONDS, TOKENS = 5.0, 3, 50.0, 2.0, (40.0, 120.0)
-BOUND, ASKS = 4.0, 2  # PriorityOrder.FLOOD_X * ALONE_X, FLOOD_ASKS
+BOUND, ASKS = PriorityOrder.FLOOD_X * PriorityOrder.ALONE_X, PriorityOrder.FLOOD_ASKS  # with nothing queued
 
 
 def arrivals(seed: int, flood: bool) -> list[tuple[float, str, float]]:
@@ -40,9 +41,8 @@ def arrivals(seed: int, flood: bool) -> list[tuple[float, str, float]]:
 
 def rates(first_age_s: float | None) -> AskRates:
     """The gateway's counts; `first_age_s` None: a first request read as is."""
-    asks = AskRates(tau_s=1.0, keep_s=10.0, max_bands=64)
-    asks.first_age_s = float("inf") if first_age_s is None else first_age_s  # 1 - exp(-inf) = 1: as they are
-    return asks
+    return AskRates(tau_s=PriorityOrder.ASK_TAU_S, keep_s=10.0, max_bands=64,  # keep_s: headroom_idle_s's default
+                    first_age_s=float("inf") if first_age_s is None else first_age_s)  # 1 - exp(-inf) = 1: as is
 
 
 def lights_held(first_age_s: float | None, seed: int) -> bool:

@@ -369,10 +369,10 @@ class AdapterRouter:
         return min(idle, key=lambda n: (self.holdings.last_used(url, n), n)) if idle else None
 
     # -- what the replicas hold -------------------------------------------------------------------------------
-    def lost(self, url: str, name: str, at: float) -> None:
+    def lost(self, url: str, name: str) -> None:
         """The replica answered 404 for `name`, which the gateway counted as loaded there: it restarted (or was
         told to unload it) since its list was last read. The next request for it there loads it again."""
-        self.holdings.set_held(url, name, False, at)
+        self.holdings.set_held(url, name, False, time.time())
         logger.warning("replica %s no longer holds adapter %s (restarted?); loading it again", url, name)
 
     async def sync(self, url: str) -> set[str]:

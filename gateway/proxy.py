@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from typing import Protocol
 
 from .config import GatewayConfig
@@ -36,7 +35,7 @@ class Adapters(Protocol):
 
     async def acquire(self, info: RequestInfo, exclude: frozenset[str]) -> Lease: ...
 
-    def lost(self, url: str, name: str, at: float) -> None: ...
+    def lost(self, url: str, name: str) -> None: ...
 
 
 _SSE_EVENT = b"data:"
@@ -140,7 +139,7 @@ class Proxy:
                 except _Retryable as exc:
                     trace.attempt_failed(exc.reason, exc.status)
                     if exc.reason == _ADAPTER_MISSING and adapters is not None:
-                        adapters.lost(lease.replica.url, info.model, time.time())
+                        adapters.lost(lease.replica.url, info.model)
                     else:
                         tried = tried | {lease.replica.url}
                     if attempt == attempts or loop.time() >= deadline:
