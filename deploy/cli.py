@@ -35,8 +35,9 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="deploy", description="Run vLLM replicas behind the smallserve gateway.")
     sub = parser.add_subparsers(dest="command", required=True)
     up = sub.add_parser("up", help="start the replicas and the gateway; stay in the foreground",
-                        description="Start N vLLM replicas one after another, then the gateway, and keep them "
-                                    "running until Ctrl-C or SIGTERM. Arguments after `--` go to every replica.")
+                        description="Start N vLLM replicas (on a GPU one after another, on CPU at once), then the "
+                                    "gateway, and keep them running until Ctrl-C or SIGTERM. Arguments after `--` "
+                                    "go to every replica.")
     up.add_argument("--plan", metavar="FILE", help="a plan written by `planner plan`")
     up.add_argument("--replicas", type=int, help=f"number of replicas without a plan (default {DEFAULT_REPLICAS})")
     up.add_argument("--model", help=f"HF model id, local path, synthetic:NAME (a real architecture, random weights; "

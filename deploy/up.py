@@ -27,7 +27,7 @@ from deploy.mps import MpsDaemon
 from deploy.plan import Plan
 from deploy.ports import port_bound
 from deploy.process import REPLICA_NICE, CancelToken, ManagedProcess, ProcessError, VllmServer, probe
-from deploy.supervisor import Backoff, Supervisor
+from deploy.supervisor import Backoff, Slot, Supervisor
 
 logger = logging.getLogger(__name__)
 
@@ -133,12 +133,15 @@ class Deployment:
             model=self.config.model_label, gateway=gateway, replicas=replicas, stopped=self.stopped))
 
     def start(self, stack: contextlib.ExitStack, cancel: CancelToken) -> None:
-        """Start the replicas one after another, each healthy before the next, then the gateway."""
+        """Start the replicas, then the gateway. On a GPU one after another, each healthy before the next (vLLM
+        sizes its memory from what is free when it starts); on CPU all at once, each on its own cores, since their
+        memory is set, not measured (two replicas of the tiny model on 2 cores: ready in 34-36 s instead of 66-68)."""
         config = self.config
         base = dict(os.environ if config.base_env is None else config.base_env)
         extra: dict[str, str] = {}
         if config.mps:
             extra = stack.enter_context(MpsDaemon(config.run_dir)).env()
+        starting: list[tuple[VllmServer, Slot, float]] = []
         for launch in config.launches:
             env = {**base, **extra, **launch.env}
             server = VllmServer(launch.spec, config.run_dir / "logs" / f"{launch.spec.name}.log", env,
@@ -147,16 +150,16 @@ class Deployment:
                                 nice=config.replica_nice)
             print(f"deploy: starting replica {launch.spec.name} on {server.url} (log {server.log_path})",
                   file=sys.stderr, flush=True)
-            started = time.monotonic()
             stack.callback(server.stop)
             server.start()
-            self.supervisor.add(server, server.url).status = "starting"
+            slot = self.supervisor.add(server, server.url)
+            slot.status = "starting"
             self.write_state()
-            server.wait_ready(cancel=cancel)
-            self.supervisor.slots[-1].status, self.supervisor.slots[-1].healthy = "running", True
-            print(f"deploy: replica {launch.spec.name} healthy after {time.monotonic() - started:.0f} s",
-                  file=sys.stderr, flush=True)
-            self.write_state()
+            starting.append((server, slot, time.monotonic()))
+            if config.hardware.gpus:
+                self.wait_healthy(starting.pop(), cancel)
+        for started in starting:
+            self.wait_healthy(started, cancel)
         gateway, url = gateway_process(config, base)
         stack.callback(gateway.stop)
         gateway.start()
@@ -165,6 +168,14 @@ class Deployment:
         self.gateway_url = url
         if not wait_url(f"{url}/ready", 30.0, cancel):
             logger.warning("the gateway at %s is not ready (no healthy replica) after 30 s", url)
+        self.write_state()
+
+    def wait_healthy(self, started: tuple[VllmServer, Slot, float], cancel: CancelToken) -> None:
+        server, slot, at = started
+        server.wait_ready(cancel=cancel)
+        slot.status, slot.healthy = "running", True
+        print(f"deploy: replica {server.name} healthy after {time.monotonic() - at:.0f} s", file=sys.stderr,
+              flush=True)
         self.write_state()
 
     def supervise(self, cancel: CancelToken) -> None:

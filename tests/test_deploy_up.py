@@ -1,7 +1,8 @@
 """`deploy up`'s orchestration, fast: FAKE vLLM replicas (tests/fake_replica.py) behind the real gateway.
 
-A stand-in interpreter runs the fake wherever `deploy up` would start vLLM's API server, so sequential start,
-the state file, supervision and the clean stop are exercised in seconds; test_deploy_vllm.py does it for real.
+A stand-in interpreter runs the fake wherever `deploy up` would start vLLM's API server, so the start (all at
+once on CPU, one after another on a GPU), the state file, supervision and the clean stop are exercised in
+seconds; test_deploy_vllm.py does it for real.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import pytest
 import yaml
 
 from deploy import state as run_state
-from deploy.hardware import Hardware
+from deploy.hardware import Gpu, Hardware
 from deploy.launch import PlanOptions, default_plan, launches
 from deploy.ports import free_ports
 from deploy.process import StopFlag, group_alive
@@ -115,6 +116,30 @@ def test_up_supervises_and_stops_everything(config: UpConfig) -> None:
     assert not any(group_alive(pid) for pid in pids)
     final = run_state.read(config.run_dir)
     assert final.stopped and not run_state.is_running(final)
+
+
+@pytest.mark.parametrize("device", ["cpu", "gpu"])
+def test_replicas_start_at_once_on_cpu_and_one_after_another_on_a_gpu(config: UpConfig, tmp_path: Path,
+                                                                       device: str) -> None:
+    """Each replica takes 1 s to come up: on CPU the second starts with the first (their memory is set, and each
+    has its own cores); on a GPU only once the first is healthy (vLLM sizes its memory from what is free)."""
+    starts = tmp_path / "starts"
+    python = tmp_path / "slow-python"
+    python.write_text(STAND_IN.format(python=sys.executable).replace(
+        "args = sys.argv[1:]\n", f"args = sys.argv[1:]\nimport time\nif 'vllm' in ' '.join(args):\n"
+        f"    open({str(starts)!r}, 'a').write(f'{{time.time()}}\\n')\n    time.sleep(1.0)\n", 1))
+    python.chmod(python.stat().st_mode | stat.S_IXUSR)
+    hardware = Hardware(gpus=(Gpu(0, "pretend", 80 << 30),), cpus=(0, 1)) if device == "gpu" else config.hardware
+    stop = StopFlag()
+    thread = threading.Thread(target=run, args=(replace(config, python=str(python), hardware=hardware), stop))
+    thread.start()
+    try:
+        wait(lambda: healthy(config.run_dir), 30, "a healthy deployment")
+    finally:
+        stop.set()
+        thread.join(30)
+    first, second = sorted(float(t) for t in starts.read_text().split())
+    assert (second - first < 0.9) if device == "cpu" else (second - first > 1.0), second - first
 
 
 def test_replica_that_dies_at_start_fails_the_deployment_fast(config: UpConfig, tmp_path: Path) -> None:
