@@ -60,7 +60,7 @@ def cpu_meter(replica_pids: list[int], gateway_pid: int | None = None, bench_pid
 @contextlib.contextmanager
 def replicas(plan: Plan, hardware: Hardware, run_dir: Path, *, mps: bool = False, startup_timeout_s: float = 600.0,
              log: Callable[[str], None] = print) -> Iterator[Running]:
-    """Start the (resolved) plan's replicas one after another, under MPS if asked; all stopped on exit."""
+    """Start the (resolved) plan's replicas (on a GPU one after another), under MPS if asked; all stopped on exit."""
     running = Running()
     with contextlib.ExitStack() as stack:
         extra: dict[str, str] = {}
@@ -71,19 +71,30 @@ def replicas(plan: Plan, hardware: Hardware, run_dir: Path, *, mps: bool = False
             if not daemon.started:
                 yield running  # the caller records that MPS could not run; nothing else is started
                 return
+        starting: list[tuple[str, VllmServer, float]] = []
         for launch in launches(plan, hardware, extra):
-            started = time.monotonic()
             log(f"  starting {launch.spec.name} on port {launch.spec.port} "
                 f"({'MPS, ' if running.mps else ''}max_num_seqs {launch.spec.max_num_seqs})")
             server = VllmServer(launch.spec, run_dir / "logs" / f"{launch.spec.name}.log",
                                 {**os.environ, **launch.env}, startup_timeout_s=startup_timeout_s)
-            stack.enter_context(server)
-            running.urls.append(server.url)
-            if server.pid is not None:
-                running.pids.append(server.pid)
-            running.startup_s.append(round(time.monotonic() - started, 1))
-            log(f"  {launch.spec.name} healthy after {running.startup_s[-1]:.0f} s")
+            stack.callback(server.stop)
+            server.start()
+            starting.append((launch.spec.name, server, time.monotonic()))
+            if hardware.gpus:  # vLLM sizes its memory from what is free: one start at a time, as `deploy up`
+                healthy(running, *starting.pop(), log)
+        for name, server, started in starting:  # on CPU all started at once, as `deploy up` does
+            healthy(running, name, server, started, log)
         yield running
+
+
+def healthy(running: Running, name: str, server: VllmServer, started: float, log: Callable[[str], None]) -> None:
+    """Wait for a started replica to answer /health; record it and how long it took from its own start."""
+    server.wait_ready()
+    running.urls.append(server.url)
+    if server.pid is not None:
+        running.pids.append(server.pid)
+    running.startup_s.append(round(time.monotonic() - started, 1))
+    log(f"  {name} healthy after {running.startup_s[-1]:.0f} s")
 
 
 @contextlib.contextmanager
