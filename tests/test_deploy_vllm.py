@@ -300,8 +300,9 @@ def test_the_simulator_against_these_replicas_quick(deployment: Deployment, tmp_
     schedule through a gateway per policy on both sides; every request completes and the simulator's median TTFT,
     TPOT and E2E are within a factor of three of the real ones (the goal's 15% is the full run's to judge). With
     `--calibrations isolated,together`, a second simulated side calibrated from both replicas profiled at once;
-    with `--repeats 1`, the real side's first run once more, set beside the first in the report; with
-    `--calibration-rounds 2`, every calibration's profiles taken twice and fitted together."""
+    with `--repeats 1`, the real side's first run once more, set beside the first in the report. (`--follow-speed`
+    and `--calibration-rounds`, two experiments docs/sim.md found fragile, are left to tests/test_bench_sim_vs_real.py
+    and test_sim_serve.py: here they cost 70 of the test's 290 s.)"""
     import math
 
     from sim.measured import ReplicaModel
@@ -309,14 +310,14 @@ def test_the_simulator_against_these_replicas_quick(deployment: Deployment, tmp_
     out = tmp_path / "svr"
     done = subprocess.run([sys.executable, "-m", "bench.sim_vs_real", "--quick", "--out", str(out), "--port", "18500",
                            "--deployment", str(deployment.run_dir), "--calibrations", "isolated,together",
-                           "--repeats", "1", "--follow-speed", "--calibration-rounds", "2"],
+                           "--repeats", "1"],
                           capture_output=True, text=True, timeout=840,
                           cwd=Path(__file__).resolve().parent.parent)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     model = ReplicaModel.load(out / "replica.json")
     assert model.block_size == 128 and model.max_num_seqs == 32 and model.prefix_caching
     rows = [json.loads(line) for line in (out / "runs.jsonl").read_text().splitlines()]
-    sides = ("real", "sim", "sim-together", "sim-followed")
+    sides = ("real", "sim", "sim-together")
     assert {(r["side"], r["policy"]) for r in rows} == {(s, p) for s in sides
                                                         for p in ("prefix_affinity", "round_robin")} | {
         ("real-repeat", "prefix_affinity")}  # the real side's first run, run again after the others
@@ -324,13 +325,6 @@ def test_the_simulator_against_these_replicas_quick(deployment: Deployment, tmp_
     assert together.max_num_seqs == 32
     assert sorted(p.name for p in (out / "profile-quick_together" / "1").glob("point-b*.json")) == [
         "point-b00001.json", "point-b00008.json"]  # the second replica, profiled at the same time
-    # --calibration-rounds 2: both calibrations profiled again halfway through the real series, the fit over both
-    for directory in ("profile-quick-r1", "profile-quick_together-r1/0", "profile-quick_together-r1/1"):
-        assert len(list((out / directory).glob("point-b*.json"))) == 2, directory
-    assert str(out / "profile-quick_together-r1" / "0") in together.source["profile"]
-    assert "## Calibration rounds (`sim-together`)" in (out / "report.md").read_text()
-    assert "round 1 alone" in (out / "report.md").read_text()  # each round fitted alone, set beside the fit
-    assert all((out / f"replica{s}-r{k}.json").is_file() for s in ("", "_together") for k in (0, 1))
     assert all(r["failed"] == 0 and r["completed"] > 10 for r in rows)
     # where the CPU went: two cores, each replica's process tree using part of one
     assert all(len(r["cpu"]["cores_busy"]) == os.cpu_count() and 0 < sum(r["cpu"]["replicas"]) for r in rows), \
@@ -350,22 +344,13 @@ def test_the_simulator_against_these_replicas_quick(deployment: Deployment, tmp_
         assert parts["queue_s"] + parts["prefill_s"] <= parts["engine_ttft_s"] * 1.001 + 1e-4, (r["side"], parts)
         assert parts["engine_ttft_s"] < sum(r["ttft_s"]) / len(r["ttft_s"]), (r["side"], parts)
     assert "## Where time to first token goes" in (out / "report.md").read_text()
-    # --follow-speed: the engines' speed read after the calibration and before each real run (vLLM's counters);
-    # the simulated twin of each real run ran at the ratio of the two
-    reference = json.loads((out / "meta.json").read_text())["speed_ref"]["ms_a_step"]
-    twins = {(r["seed"], r["policy"]): r for r in rows if r["side"] == "real"}
-    followed = [r for r in rows if r["side"] == "sim-followed"]
-    assert 1 < reference < 1000 and len(followed) == 2
-    assert all(r["scale"] == pytest.approx(twins[r["seed"], r["policy"]]["engine_speed"]["ms_a_step"] / reference)
-               for r in followed)
-    assert "The engines' own steps (`sim-followed`)" in (out / "report.md").read_text()
     by = {(r["side"], r["policy"]): r for r in rows}
     # A factor of three, both calibrations: this catches a simulator that is not calibrated or off by its units,
     # and the full run judges the goal's 15%. Tighter is inside this machine's noise for one 6-s run: identical
     # real runs differ by up to 1.8 x, slow phases of the machine slow the engines by 40-60% (docs/sim.md), and the
     # simulator is optimistic on top (TPOT at 0.496 x real for the isolated calibration in one full-suite run of
     # five, 0.485 x for the together one in another).
-    for side, bound in (("sim-together", 3.0), ("sim", 3.0), ("sim-followed", 3.0)):
+    for side, bound in (("sim-together", 3.0), ("sim", 3.0)):
         for policy in ("prefix_affinity", "round_robin"):
             for metric in ("ttft_s", "tpot_s", "e2e_s"):
                 real, sim = (sorted(by[(s, policy)][metric]) for s in ("real", side))
