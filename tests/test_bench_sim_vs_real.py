@@ -70,7 +70,7 @@ def test_a_negative_repeat_count_is_a_usage_error(capsys: pytest.CaptureFixture[
     assert exc.value.code == 2 and "--repeats must be >= 0, got -1" in capsys.readouterr().err
 
 
-def test_no_calibration_runs_the_real_side_alone_and_an_unknown_one_is_a_usage_error(
+def test_no_calibration_runs_the_real_side_alone_two_run_two_sides_and_an_unknown_one_is_a_usage_error(
         capsys: pytest.CaptureFixture[str]) -> None:
     from bench.sim_vs_real import main
 
@@ -79,6 +79,11 @@ def test_no_calibration_runs_the_real_side_alone_and_an_unknown_one_is_a_usage_e
     out = capsys.readouterr().out
     assert out.startswith("2 runs of 15 s") and "sim" not in out.split("\n", 1)[1]
     assert "real/mix/poisson/0.5/0/round_robin" in out
+    main(["--calibrations", "isolated,together", "--seeds", "1", "--loads", "0.5", "--workloads", "mix",
+          "--chat-rates", "", "--policies", "round_robin", "--repeats", "0", "--dry-run"])
+    assert capsys.readouterr().out.split("\n")[1:4] == [  # each calibration a simulated side, after the real one
+        "real/mix/poisson/0.5/0/round_robin", "sim/mix/poisson/0.5/0/round_robin",
+        "sim-together/mix/poisson/0.5/0/round_robin"]
     with pytest.raises(SystemExit) as exc:
         main(["--calibrations", "together,alone", "--dry-run"])
     assert exc.value.code == 2 and "--calibrations: unknown alone" in capsys.readouterr().err

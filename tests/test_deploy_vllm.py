@@ -298,31 +298,29 @@ async def test_one_trace_runs_from_the_client_through_the_gateway_into_vllm(depl
 def test_the_simulator_against_these_replicas_quick(deployment: Deployment, tmp_path: Path) -> None:
     """`python -m bench.sim_vs_real --quick` over this deployment's replicas: profile one, calibrate, the same
     schedule through a gateway per policy on both sides; every request completes and the simulator's median TTFT,
-    TPOT and E2E are within a factor of three of the real ones (the goal's 15% is the full run's to judge). With
-    `--calibrations isolated,together`, a second simulated side calibrated from both replicas profiled at once;
-    with `--repeats 1`, the real side's first run once more, set beside the first in the report. (`--follow-speed`
-    and `--calibration-rounds`, two experiments docs/sim.md found fragile, are left to tests/test_bench_sim_vs_real.py
-    and test_sim_serve.py: here they cost 70 of the test's 290 s.)"""
+    TPOT and E2E are within a factor of three of the real ones (the goal's 15% is the full run's to judge). The
+    default calibration (both replicas profiled at once, the side `sim-together`); with `--repeats 1`, the real
+    side's first run once more, set beside the first in the report. Left to the fast tests
+    (tests/test_bench_sim_vs_real.py, test_sim_serve.py, test_sim_fromprofile.py), for CI's time: the `isolated`
+    calibration (60 s here), `--follow-speed` and `--calibration-rounds` (70 s; two experiments docs/sim.md found
+    fragile)."""
     import math
 
     from sim.measured import ReplicaModel
 
     out = tmp_path / "svr"
     done = subprocess.run([sys.executable, "-m", "bench.sim_vs_real", "--quick", "--out", str(out), "--port", "18500",
-                           "--deployment", str(deployment.run_dir), "--calibrations", "isolated,together",
-                           "--repeats", "1"],
+                           "--deployment", str(deployment.run_dir), "--repeats", "1"],
                           capture_output=True, text=True, timeout=840,
                           cwd=Path(__file__).resolve().parent.parent)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    model = ReplicaModel.load(out / "replica.json")
-    assert model.block_size == 128 and model.max_num_seqs == 32 and model.prefix_caching
     rows = [json.loads(line) for line in (out / "runs.jsonl").read_text().splitlines()]
-    sides = ("real", "sim", "sim-together")
+    sides = ("real", "sim-together")
     assert {(r["side"], r["policy"]) for r in rows} == {(s, p) for s in sides
                                                         for p in ("prefix_affinity", "round_robin")} | {
         ("real-repeat", "prefix_affinity")}  # the real side's first run, run again after the others
     together = ReplicaModel.load(out / "replica_together.json")  # fitted to the first of two profiles taken at once
-    assert together.max_num_seqs == 32
+    assert together.block_size == 128 and together.max_num_seqs == 32 and together.prefix_caching
     assert sorted(p.name for p in (out / "profile-quick_together" / "1").glob("point-b*.json")) == [
         "point-b00001.json", "point-b00008.json"]  # the second replica, profiled at the same time
     assert all(r["failed"] == 0 and r["completed"] > 10 for r in rows)
@@ -345,17 +343,16 @@ def test_the_simulator_against_these_replicas_quick(deployment: Deployment, tmp_
         assert parts["engine_ttft_s"] < sum(r["ttft_s"]) / len(r["ttft_s"]), (r["side"], parts)
     assert "## Where time to first token goes" in (out / "report.md").read_text()
     by = {(r["side"], r["policy"]): r for r in rows}
-    # A factor of three, both calibrations: this catches a simulator that is not calibrated or off by its units,
+    # A factor of three: this catches a simulator that is not calibrated or off by its units,
     # and the full run judges the goal's 15%. Tighter is inside this machine's noise for one 6-s run: identical
     # real runs differ by up to 1.8 x, slow phases of the machine slow the engines by 40-60% (docs/sim.md), and the
     # simulator is optimistic on top (TPOT at 0.496 x real for the isolated calibration in one full-suite run of
     # five, 0.485 x for the together one in another).
-    for side, bound in (("sim-together", 3.0), ("sim", 3.0)):
-        for policy in ("prefix_affinity", "round_robin"):
-            for metric in ("ttft_s", "tpot_s", "e2e_s"):
-                real, sim = (sorted(by[(s, policy)][metric]) for s in ("real", side))
-                a, b = real[len(real) // 2], sim[len(sim) // 2]
-                assert math.isfinite(b) and 1 / bound < b / a < bound, (side, policy, metric, a, b)
+    for policy in ("prefix_affinity", "round_robin"):
+        for metric in ("ttft_s", "tpot_s", "e2e_s"):
+            real, sim = (sorted(by[(s, policy)][metric]) for s in ("real", "sim-together"))
+            a, b = real[len(real) // 2], sim[len(sim) // 2]
+            assert math.isfinite(b) and 1 / 3 < b / a < 3, (policy, metric, a, b)
     report = (out / "report.md").read_text()
     assert "mix/poisson/0.5" in report and "Real against `sim-together`" in report
     assert "How repeatable the real side is: mix/poisson/0.5/0/prefix_affinity, run 2 times" in report
