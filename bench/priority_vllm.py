@@ -34,6 +34,7 @@ from bench.common import RESULTS
 from bench.priority_load import compare, phase
 from deploy.ports import free_ports
 from deploy.hardware import cpu_list, usable_cpus
+from deploy.models import TINY_MODEL_ARGS
 from deploy.plan import ReplicaSpec
 from deploy.process import VllmServer
 from deploy.tinymodel import ensure_tiny_model
@@ -49,7 +50,8 @@ def replica_server(log: Path, cpus: tuple[int, ...] = (), trace_url: str | None 
     tracing = ("--otlp-traces-endpoint", trace_url) if trace_url else ()
     spec = ReplicaSpec(name="priority", model=str(ensure_tiny_model()), port=free_ports(), max_num_seqs=8,
                        max_model_len=512, cpu_kvcache_space_gib=1, served_model_name=MODEL,
-                       extra_args=("--scheduling-policy", "priority", "--dtype", "float32", *tracing))
+                       extra_args=("--scheduling-policy", "priority", *(a for flag in TINY_MODEL_ARGS for a in flag),
+                                   *tracing))  # eager and float32, as deploy serves the tiny model
     cpus = cpus or usable_cpus()
     env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": cpu_list(cpus)}
     if trace_url:
