@@ -133,9 +133,8 @@ class Deployment:
             model=self.config.model_label, gateway=gateway, replicas=replicas, stopped=self.stopped))
 
     def start(self, stack: contextlib.ExitStack, cancel: CancelToken) -> None:
-        """Start the replicas, then the gateway. On a GPU one after another, each healthy before the next (vLLM
-        sizes its memory from what is free when it starts); on CPU all at once, each on its own cores, since their
-        memory is set, not measured (two replicas of the tiny model on 2 cores: ready in 34-36 s instead of 66-68)."""
+        """Start the replicas (one after another where `Hardware.starts_one_at_a_time`, else at once), then the
+        gateway."""
         config = self.config
         base = dict(os.environ if config.base_env is None else config.base_env)
         extra: dict[str, str] = {}
@@ -156,7 +155,7 @@ class Deployment:
             slot.status = "starting"
             self.write_state()
             starting.append((server, slot, time.monotonic()))
-            if config.hardware.gpus:
+            if config.hardware.starts_one_at_a_time:
                 self.wait_healthy(starting.pop(), cancel)
         for started in starting:
             self.wait_healthy(started, cancel)

@@ -70,7 +70,7 @@ def test_a_negative_repeat_count_is_a_usage_error(capsys: pytest.CaptureFixture[
     assert exc.value.code == 2 and "--repeats must be >= 0, got -1" in capsys.readouterr().err
 
 
-def test_no_calibration_runs_the_real_side_alone_two_run_two_sides_and_an_unknown_one_is_a_usage_error(
+def test_no_calibration_runs_the_real_side_alone_two_give_two_sides_and_an_unknown_one_is_a_usage_error(
         capsys: pytest.CaptureFixture[str]) -> None:
     from bench.sim_vs_real import main
 

@@ -80,9 +80,9 @@ def replicas(plan: Plan, hardware: Hardware, run_dir: Path, *, mps: bool = False
             stack.callback(server.stop)
             server.start()
             starting.append((launch.spec.name, server, time.monotonic()))
-            if hardware.gpus:  # vLLM sizes its memory from what is free: one start at a time, as `deploy up`
+            if hardware.starts_one_at_a_time:  # as `deploy up` starts them
                 healthy(running, *starting.pop(), log)
-        for name, server, started in starting:  # on CPU all started at once, as `deploy up` does
+        for name, server, started in starting:
             healthy(running, name, server, started, log)
         yield running
 
