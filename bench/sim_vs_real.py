@@ -287,6 +287,10 @@ def run_point(run: Run, side: Side, rate: float, duration: float, tokenizer: str
             "tpot_s": [(r["end_s"] - r["sent_s"] - r["ttft_s"]) / (r["output_tokens"] - 1) for r in ok
                        if r.get("ttft_s") is not None and (r.get("output_tokens") or 0) > 1],
             "e2e_s": [r["end_s"] - r["sent_s"] for r in ok], "context": decoding_context(ok), "cpu": cpu,
+            # each request with a first token: [sent s, TTFT s, prompt tokens, the replica it went to] (the tail's
+            # make-up: bench.sim_ranking's tail_lines)
+            "firsts": [[round(r["sent_s"], 4), round(r["ttft_s"], 5), r["requested_prompt_tokens"], r.get("replica")]
+                       for r in ok if r.get("ttft_s") is not None],
             "speed_us": float(np.median(speed))}
 
 

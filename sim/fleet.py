@@ -172,12 +172,13 @@ class Gateway:
     """The gateway's router over a node's engines (replica i is `http://sim-replica-i`)."""
 
     def __init__(self, node: Node, policy: str | Policy, rng: random.Random, max_requests: int | None = None,
-                 queue: QueueConfig | None = None, order: QueueOrder | None = None) -> None:
+                 queue: QueueConfig | None = None, order: QueueOrder | None = None, given_speed: bool = True) -> None:
         self.node = node
         self.urls = [f"http://sim-replica-{i}" for i in range(len(node.engines))]
         self.engines = dict(zip(self.urls, node.engines))
         self.index = {url: i for i, url in enumerate(self.urls)}
-        speed = node.spec.gateway_speed()
+        # given_speed False: the gateway's default speed, as `deploy up` configures replicas without a plan
+        speed = node.spec.gateway_speed() if given_speed else None
         configs = [ReplicaConfig(url=u, max_requests=max_requests, max_num_seqs=node.spec.max_num_seqs, speed=speed)
                    for u in self.urls]
         chooser = make_policy(policy, rng) if isinstance(policy, str) else policy
@@ -302,9 +303,10 @@ async def send(gw: Gateway, record: Record) -> None:
 
 
 async def _routed(spec: AnySpec, records: list[Record], policy: str | Policy, seed: int,
-                  max_requests: int | None, queue: QueueConfig | None) -> Summary:
+                  max_requests: int | None, queue: QueueConfig | None, given_speed: bool) -> Summary:
     loop = asyncio.get_running_loop()
-    gw = Gateway(Node(spec, LoopClock(loop)), policy, random.Random(seed), max_requests, queue)
+    gw = Gateway(Node(spec, LoopClock(loop)), policy, random.Random(seed), max_requests, queue,
+                 given_speed=given_speed)
 
     async def one(record: Record) -> None:
         await asyncio.sleep(record.arrival - loop.time())
@@ -316,12 +318,13 @@ async def _routed(spec: AnySpec, records: list[Record], policy: str | Policy, se
 
 def run_routed(spec: AnySpec, specs: Sequence[RequestSpec], arrivals: np.ndarray, policy: str | Policy,
                seed: int = 0, max_requests: int | None = None, queue: QueueConfig | None = None,
-               keys: str = "", records_out: list[Record] | None = None) -> Summary:
+               keys: str = "", records_out: list[Record] | None = None, given_speed: bool = True) -> Summary:
     """Arrivals through the gateway's `Router.acquire` (admission queue included) on a virtual-time loop.
 
     `keys`: give each request its own affinity key, as the gateway does for single-turn requests: "chat" (no
     history), or "completions" (a prompt longer than the keyed head, `PREFIX_BYTES`, counts that head as
     expected cached); "" for none. `records_out` gets the per-request records (to pool percentiles over seeds).
+    `given_speed` False: the gateway keeps its default speed (as `deploy up` without a plan), not the replicas'.
     """
     rng = random.Random(seed)
     head = PREFIX_BYTES // BYTES_PER_TOKEN if keys == "completions" else 0
@@ -330,7 +333,7 @@ def run_routed(spec: AnySpec, specs: Sequence[RequestSpec], arrivals: np.ndarray
                for t, s in zip(arrivals, specs)]
     if records_out is not None:
         records_out.extend(records)
-    return _on_virtual_loop(_routed(spec, records, policy, seed, max_requests, queue))
+    return _on_virtual_loop(_routed(spec, records, policy, seed, max_requests, queue, given_speed))
 
 
 def _on_virtual_loop(main: Any) -> Summary:

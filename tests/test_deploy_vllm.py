@@ -328,6 +328,11 @@ def test_the_simulator_against_these_replicas_quick(deployment: Deployment, tmp_
     assert all(len(r["cpu"]["cores_busy"]) == os.cpu_count() and 0 < sum(r["cpu"]["replicas"]) for r in rows), \
         [(r["side"], r["policy"], r["cpu"]) for r in rows]
     assert "Where the CPU went" in (out / "report.md").read_text()
+    # each first token with what it came from (bench.sim_ranking's tail): its TTFT as in ttft_s, the prompt's
+    # length (mix: 128 or 1,024 tokens), the replica the gateway named (real) or sim serve's URL
+    for r in rows:
+        assert [f[1] for f in r["firsts"]] == pytest.approx(r["ttft_s"], abs=1e-5)
+        assert {f[2] for f in r["firsts"]} <= {128, 1024} and all(f[3] for f in r["firsts"]), r["firsts"][:3]
     # the engines' own steps, from vLLM's counters and sim serve's: every step computes a token or more, and a
     # replica's mean step over the run's span lies between 1 ms and 1 s
     assert all(0 < r["engine"]["steps"] <= r["engine"]["tokens"] and r["engine"]["generated"] > 0
