@@ -42,7 +42,7 @@ from gateway.config import QueueConfig
 from gateway.fairqueue import PriorityOrder
 from gateway.parsing import RequestInfo
 from sim.clock import LoopClock
-from sim.fleet import MODEL, Gateway, Record, capacity, pct, saturation_sample, send, _on_virtual_loop
+from sim.fleet import MODEL, Gateway, Record, capacity, pct, saturation_sample, send, on_virtual_loop
 from sim.gpus import get_gpu
 from sim.model import load_model
 from sim.node import Node, NodeSpec
@@ -94,7 +94,7 @@ async def _run(records: list[TenantRecord], order: PriorityOrder | None, seed: i
 
 
 def run(records: list[TenantRecord], order: PriorityOrder | None, seed: int) -> list[TenantRecord]:
-    _on_virtual_loop(_run(records, order, seed))
+    on_virtual_loop(_run(records, order, seed))
     return records
 
 

@@ -9,8 +9,8 @@ This bench gives the simulator the same question with as many seeds as wanted, i
   code (`loadtest.config`, seeded arrivals and lengths), 12 s of Poisson arrivals at 50/80/95% of capacity;
 - capacity measured as the real side measured it: closed loop, 64 in flight, 320 requests;
 - two replicas of a calibrated replica model (`sim calibrate --profile`) behind the gateway's own policy code,
-  with deploy's gateway config (32 requests a replica, then the admission queue) and the gateway's default speed,
-  as `deploy up` configures a CPU deployment;
+  with deploy's gateway config (`max_num_seqs` requests a replica, then the admission queue) and the gateway's
+  default speed, as `deploy up` configures a CPU deployment;
 - each request keyed as the gateway keys a completions prompt (the first 1 KiB).
 
 Then, per point and policy pair, the simulator's pooled ratio and its own 90% interval (whole seeds resampled,
@@ -18,8 +18,8 @@ Then, per point and policy pair, the simulator's pooled ratio and its own 90% in
 interval excludes 1 (the pairs the real side decides), and whether the simulator's ratio lies inside the real
 interval everywhere.
 
-    python -m bench.sim_ranking --replica-model docs/bench/sim_vs_real_replica.json \\
-        --real docs/bench/policy_verdict_8dirs_2026-11-27.md --seeds 30
+    python -m bench.sim_ranking --replica-model docs/bench/sim_vs_real_replica_2026-11-28.json \\
+        --real docs/bench/policy_verdict_8dirs_2026-11-27.md [--real-runs RUN_DIR] [--seeds 30]
 """
 
 from __future__ import annotations
@@ -40,10 +40,9 @@ from loadtest.config import LoadConfig, config_from_options, make_parser
 from loadtest.schedules import build_schedule
 from loadtest.workloads import build_workload
 from sim.clock import LoopClock
-from sim.fleet import Gateway, Record, run_routed, send
+from sim.fleet import Gateway, Record, on_virtual_loop, run_routed, send
 from sim.measured import ReplicaModel
 from sim.node import MeasuredSpec, Node
-from sim.vloop import VirtualTimeLoop
 from sim.workload import RequestSpec
 
 from .common import markdown_table
@@ -52,7 +51,6 @@ from .sim_vs_real import DEFAULT, POLICIES, WORKLOADS, done_runs
 from .sim_vs_real_ranking import point_of
 
 LOADS = (0.5, 0.8, 0.95)
-MAX_REQUESTS = 32  # deploy's gateway config on CPU: max_num_seqs a replica, then the admission queue
 QUEUE = QueueConfig(max_size=1024, max_wait_s=60.0)
 
 
@@ -86,7 +84,7 @@ def closed_loop_capacity(spec: MeasuredSpec, workload: str, concurrency: int = 6
 
     async def main() -> float:
         loop = asyncio.get_running_loop()
-        gw = Gateway(Node(spec, LoopClock(loop)), DEFAULT, random.Random(0), MAX_REQUESTS, QUEUE,
+        gw = Gateway(Node(spec, LoopClock(loop)), DEFAULT, random.Random(0), spec.max_num_seqs, QUEUE,
                      given_speed=given_speed)
         queue = list(reversed(specs))
         records: list[Record] = []
@@ -102,11 +100,7 @@ def closed_loop_capacity(spec: MeasuredSpec, workload: str, concurrency: int = 6
         end = max(r.finished for r in records if r.finished is not None)
         return sum(r.finished is not None for r in records) / end
 
-    loop = VirtualTimeLoop()
-    try:
-        return loop.run_until_complete(main())
-    finally:
-        loop.close()
+    return on_virtual_loop(main())
 
 
 def run(spec: MeasuredSpec, workload: str, load: float, capacity: float, seed: int, policy: str,
@@ -114,7 +108,7 @@ def run(spec: MeasuredSpec, workload: str, load: float, capacity: float, seed: i
     """One run as a row of `bench.sim_vs_real`'s runs.jsonl (the fields `paired_ratios` and `tail` read)."""
     arrivals, specs = schedule(workload, load * capacity, duration, seed)
     records: list[Record] = []
-    run_routed(spec, specs, arrivals, policy, seed, MAX_REQUESTS, QUEUE, keys="completions", records_out=records,
+    run_routed(spec, specs, arrivals, policy, seed, spec.max_num_seqs, QUEUE, keys="completions", records_out=records,
                given_speed=given_speed)
     firsts = [[r.arrival, r.first_token - r.arrival, r.prompt_tokens, r.replica] for r in records
               if r.first_token is not None]
@@ -194,9 +188,10 @@ def report(found: Sequence[Pair], meta: str) -> str:
              f"Pairs the real side decides (its interval excludes 1): {len(decided)}; the simulator orders "
              f"{sum(p.alike for p in decided)} of them alike, its ratio inside the real interval at "
              f"{sum(p.inside for p in decided)}.",
-             f"All {len(found)} pairs: the simulator's ratio inside the real interval at {sum(p.inside for p in found)};"
-             f" ordered as the real pooled ratio at {sum(p.alike for p in found)}, level (the very same first tokens)"
-             f" at {sum(p.level for p in found)} (a pair the real side does not decide is ordered by a coin).", ""]
+             f"All {len(found)} pairs: the simulator's ratio inside the real interval at "
+             f"{sum(p.inside for p in found)}; ordered as the real pooled ratio at {sum(p.alike for p in found)}, "
+             f"level (the very same first tokens) at {sum(p.level for p in found)} (a pair the real side does not "
+             "decide is ordered by a coin).", ""]
     return "\n".join(lines)
 
 

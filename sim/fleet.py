@@ -21,9 +21,9 @@ from __future__ import annotations
 import asyncio
 import math
 import random
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -45,6 +45,7 @@ from .vloop import VirtualTimeLoop
 from .workload import Conversation, RequestSpec, poisson_arrivals, sharegpt_like
 
 MODEL = "sim-model"
+T = TypeVar("T")
 
 
 @dataclass
@@ -333,13 +334,14 @@ def run_routed(spec: AnySpec, specs: Sequence[RequestSpec], arrivals: np.ndarray
                for t, s in zip(arrivals, specs)]
     if records_out is not None:
         records_out.extend(records)
-    return _on_virtual_loop(_routed(spec, records, policy, seed, max_requests, queue, given_speed))
+    return on_virtual_loop(_routed(spec, records, policy, seed, max_requests, queue, given_speed))
 
 
-def _on_virtual_loop(main: Any) -> Summary:
+def on_virtual_loop(main: Coroutine[Any, Any, T]) -> T:
+    """Run `main` to its end on a fresh virtual-time loop."""
     loop = VirtualTimeLoop()
     try:
-        return loop.run_until_complete(main)  # type: ignore[no-any-return]
+        return loop.run_until_complete(main)
     finally:
         loop.close()
 

@@ -31,7 +31,7 @@ from gateway.replicas import Lease
 from gateway.table import LoadTable
 
 from .clock import LoopClock
-from .fleet import Gateway, Record, Summary, _on_virtual_loop, summarize
+from .fleet import Gateway, Record, Summary, on_virtual_loop, summarize
 from .node import AnySpec, Node
 from .workload import RequestSpec
 
@@ -139,5 +139,5 @@ def run_adapters(spec: AnySpec, specs: Sequence[RequestSpec], arrivals: np.ndarr
     names = lora.draw(len(specs), np.random.default_rng([seed, 7]))
     records = [Record(float(t), s.prompt_tokens, s.output_tokens) for t, s in zip(arrivals, specs)]
     stats = SlotStats()
-    summary = _on_virtual_loop(_run(spec, records, names, policy, seed, lora, aware, stats))
+    summary = on_virtual_loop(_run(spec, records, names, policy, seed, lora, aware, stats))
     return summary, stats
