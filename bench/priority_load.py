@@ -14,7 +14,7 @@ import gc
 import json
 import time
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import httpx
@@ -120,6 +120,7 @@ async def compare(replica: str, model: str, cap: int, headroom: int, flood: int,
     out = {}
     with frozen_heap():
         async with gateway(gateway_config(replica, cap, headroom)) as url:
+            await phase(url, model, 0, 3, gap_s)  # not counted: a fresh gateway's first requests (100 ms and more)
             out["alone"] = await phase(url, model, 0, samples, gap_s)
             out["priority"] = await phase(url, model, flood, samples, gap_s)
             if tenants:
@@ -147,7 +148,7 @@ def frozen_heap() -> Iterator[None]:
         gc.unfreeze()
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--replica", required=True)
     parser.add_argument("--model", default="tiny-opt")
@@ -158,13 +159,18 @@ def main() -> None:
     parser.add_argument("--gap", type=float, default=0.1)
     parser.add_argument("--fifo-samples", type=int, default=5)
     parser.add_argument("--tenants", action="store_true", help="also a flood of one heavy tenant in the same band")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     result = asyncio.run(compare(args.replica, args.model, args.cap, args.headroom, args.flood, args.samples,
                                  args.gap, args.fifo_samples, args.tenants))
     for name, ph in result.items():
         print(f"{name:9s} p50 {ph.p(50) * 1e3:7.0f} ms  p90 {ph.p(90) * 1e3:7.0f} ms  p99 {ph.p(99) * 1e3:7.0f} ms  "
               f"batch done {ph.batch_done} failed {ph.batch_failed}")
-    print(json.dumps({k: v.ttft for k, v in result.items()}))
+    print(json.dumps({k: asdict(v) for k, v in result.items()}))  # the last line: every phase whole
+
+
+def read_phases(line: str) -> dict[str, Phase]:
+    """`main`'s last line back into phases."""
+    return {k: Phase(tuple(v["ttft"]), v["batch_done"], v["batch_failed"]) for k, v in json.loads(line).items()}
 
 
 if __name__ == "__main__":
