@@ -103,10 +103,11 @@ def closed_loop_capacity(spec: MeasuredSpec, workload: str, concurrency: int = 6
     return on_virtual_loop(main())
 
 
-def run(spec: MeasuredSpec, workload: str, load: float, capacity: float, seed: int, policy: str,
-        duration: float, given_speed: bool = False) -> dict[str, Any]:
-    """One run as a row of `bench.sim_vs_real`'s runs.jsonl (the fields `paired_ratios` and `tail` read)."""
-    arrivals, specs = schedule(workload, load * capacity, duration, seed)
+def run(spec: MeasuredSpec, workload: str, load: float, seed: int, policy: str,
+        sent: tuple[np.ndarray, list[RequestSpec]], given_speed: bool = False) -> dict[str, Any]:
+    """One run of the schedule `sent` (`schedule`'s) as a row of `bench.sim_vs_real`'s runs.jsonl (the fields
+    `paired_ratios` and `tail` read)."""
+    arrivals, specs = sent
     records: list[Record] = []
     run_routed(spec, specs, arrivals, policy, seed, spec.max_num_seqs, QUEUE, keys="completions", records_out=records,
                given_speed=given_speed)
@@ -282,8 +283,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         caps[workload] = closed_loop_capacity(spec, workload, given_speed=args.given_speed)
         for load in LOADS:
             for seed in range(args.seeds):
-                rows += [run(spec, workload, load, caps[workload], seed, p, args.duration, args.given_speed)
-                         for p in POLICIES]
+                sent = schedule(workload, load * caps[workload], args.duration, seed)  # the same for every policy
+                rows += [run(spec, workload, load, seed, p, sent, args.given_speed) for p in POLICIES]
     rejected = sum(r["rejected"] for r in rows)
     meta = (f"Simulated: {args.replica_model}, {args.replicas} replicas, the gateway's "
             f"{'speed from the model' if args.given_speed else 'default speed'}, {args.seeds} seeds x "
