@@ -127,24 +127,17 @@ def node_for(config: ServeConfig, clock: LoopClock) -> Node:
     return Node(spec, clock)
 
 
-async def serve(config: ServeConfig) -> None:
-    """Run the replicas until SIGINT/SIGTERM."""
-    from .server import make_app
-
+async def serve_until_stopped(apps: list[web.Application], host: str, port: int, announce: str) -> None:
+    """Serve each app on its own port from `port` up, log `announce`, and run until SIGINT/SIGTERM."""
     loop = asyncio.get_running_loop()
-    node = node_for(config, LoopClock(loop))
     runners = []
     try:
-        for i, engine in enumerate(node.engines):
-            runner = web.AppRunner(make_app(engine, config.model_name, config.seed + i), access_log=None,
-                                   handler_cancellation=True)
+        for i, app in enumerate(apps):
+            runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
             await runner.setup()
-            await web.TCPSite(runner, config.host, config.port + i).start()
+            await web.TCPSite(runner, host, port + i).start()
             runners.append(runner)
-        cfg = node.engine_config
-        logger.info("%d simulated replica(s) of %s on one %s at http://%s:%d..%d: %d KV blocks each, "
-                    "max_num_seqs %d", config.replicas, config.model_name, config.gpu.name, config.host,
-                    config.port, config.port + config.replicas - 1, cfg.num_gpu_blocks, cfg.max_num_seqs)
+        logger.info("%s", announce)
         stop = asyncio.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
@@ -152,6 +145,19 @@ async def serve(config: ServeConfig) -> None:
     finally:
         for runner in runners:
             await runner.cleanup()
+
+
+async def serve(config: ServeConfig) -> None:
+    """Run the replicas until SIGINT/SIGTERM."""
+    from .server import make_app
+
+    node = node_for(config, LoopClock(asyncio.get_running_loop()))
+    cfg = node.engine_config
+    announce = (f"{config.replicas} simulated replica(s) of {config.model_name} on one {config.gpu.name} at "
+                f"http://{config.host}:{config.port}..{config.port + config.replicas - 1}: {cfg.num_gpu_blocks} KV "
+                f"blocks each, max_num_seqs {cfg.max_num_seqs}")
+    await serve_until_stopped([make_app(engine, config.model_name, config.seed + i)
+                               for i, engine in enumerate(node.engines)], config.host, config.port, announce)
 
 
 def _calibrate(args: argparse.Namespace) -> None:
@@ -190,27 +196,12 @@ async def serve_measured(model: ReplicaModel, replicas: int, port: int, host: st
     from .node import MeasuredSpec
     from .server import HFCoder, make_app
 
-    loop = asyncio.get_running_loop()
     coder = HFCoder(model.tokenizer) if model.tokenizer else None
-    _, _, engines = MeasuredSpec(model, replicas).build(LoopClock(loop))
-    runners = []
-    try:
-        for i, engine in enumerate(engines):
-            runner = web.AppRunner(make_app(engine, model.model_name, seed + i, coder, model.frontend_s,
-                                            model.stream_s),
-                                   access_log=None, handler_cancellation=True)
-            await runner.setup()
-            await web.TCPSite(runner, host, port + i).start()
-            runners.append(runner)
-        logger.info("%d replica(s) imitating %s (%s) at http://%s:%d..%d", replicas, model.model_name,
-                    model.source.get("profile", "?"), host, port, port + replicas - 1)
-        stop = asyncio.Event()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
-        await stop.wait()
-    finally:
-        for runner in runners:
-            await runner.cleanup()
+    _, _, engines = MeasuredSpec(model, replicas).build(LoopClock(asyncio.get_running_loop()))
+    announce = (f"{replicas} replica(s) imitating {model.model_name} ({model.source.get('profile', '?')}) at "
+                f"http://{host}:{port}..{port + replicas - 1}")
+    await serve_until_stopped([make_app(engine, model.model_name, seed + i, coder, model.frontend_s, model.stream_s)
+                               for i, engine in enumerate(engines)], host, port, announce)
 
 
 def _serve(args: argparse.Namespace) -> None:
