@@ -39,9 +39,11 @@ def _order(a: float, b: float) -> int:
     return int(np.sign(a - b))
 
 
-def ranking_lines(rows: Sequence[dict[str, Any]], pooled: dict[str, dict[str, Any]], sim_side: str) -> list[str]:
-    """The report's section for one simulated side: per point, the real side's own agreement and the simulator's.
-    `pooled`: each side's figures pooled over seeds (`sim_vs_real_report.summarize`)."""
+def ranking_table(rows: Sequence[dict[str, Any]], pooled: dict[str, dict[str, Any]], sim_side: str
+                  ) -> tuple[list[list[object]], int, int, int]:
+    """Per point, the real side's own agreement and the simulator's (the rows of `ranking_lines`' table), and over
+    them: the pairs the simulator orders as every real seed does, the pairs every real seed orders alike, and the
+    fewest seeds of a point. `pooled`: each side's figures pooled over seeds (`sim_vs_real_report.summarize`)."""
     real = p99_by_seed(rows, "real")
     real_pooled = {pt: {p: v["ttft_p99"] for p, v in by.items()} for pt, by in pooled.get("real", {}).items()}
     sim_pooled = {pt: {p: v["ttft_p99"] for p, v in by.items()} for pt, by in pooled.get(sim_side, {}).items()}
@@ -72,6 +74,12 @@ def ranking_lines(rows: Sequence[dict[str, Any]], pooled: dict[str, dict[str, An
         seeds_n = min(seeds_n, len(seeds)) if seeds_n else len(seeds)
         body.append([point, len(seeds), f"{same_rank} of {len(seed_pairs)}", f"{concordance:.2f}",
                      f"{len(decided)} of {len(pairs)}", f"{agreed} of {len(decided)}", f"{pooled_same:.2f}"])
+    return body, agreed_all, decided_all, seeds_n
+
+
+def ranking_lines(rows: Sequence[dict[str, Any]], pooled: dict[str, dict[str, Any]], sim_side: str) -> list[str]:
+    """The report's section for one simulated side: `ranking_table` with what its columns mean."""
+    body, agreed_all, decided_all, seeds_n = ranking_table(rows, pooled, sim_side)
     if not body:
         return []
     return [f"## Is the real ranking decided? (`{sim_side}`)", "",

@@ -17,6 +17,7 @@ from deploy.process import REPLICA_NICE
 
 from .common import markdown_table, pyplot
 from .sim_vs_real_calibration import profile_dir, profiled, round_models
+from .sim_vs_real_goals import goals_lines
 from .sim_vs_real_inflight import inflight_lines
 from .sim_vs_real_ranking import point_of, ranking_lines, verdict_lines
 from .sim_vs_real_rounds import models_lines, rounds_lines
@@ -168,6 +169,19 @@ def repeatability(rows: Sequence[dict[str, Any]]) -> list[str]:
             + ".", ""]
 
 
+WHAT = {"sim-together": "calibrated with every replica busy", "sim": "calibrated from one replica alone",
+        FOLLOWED: "scaled by a speed reading before each run", PAIRED: "each run at its twin's speed: an oracle",
+        MATCHED: "at the seed-0 runs' speed, judged on the others"}
+
+
+def goal_sides(rows: Sequence[dict[str, Any]], table: dict[str, dict[str, Any]]
+               ) -> list[tuple[str, str, Sequence[dict[str, Any]], dict[str, dict[str, Any]]]]:
+    """Each simulated side the report has, with the rows it is judged on (`MATCHED`: the seeds after the first)."""
+    held = [r for r in rows if r["seed"] > 0]
+    return [(name, what, *((held, summarize(held)) if name == MATCHED else (rows, table)))
+            for name, what in WHAT.items() if name in table]
+
+
 def report(out: Path, meta: dict[str, Any]) -> str:
     rows = list(done_runs(out / "runs.jsonl").values())
     table = summarize(rows)
@@ -176,6 +190,8 @@ def report(out: Path, meta: dict[str, Any]) -> str:
              f"Measured with `python -m bench.sim_vs_real` ({len(rows)} runs). Capacities (requests/s, closed loop): "
              + ", ".join(f"{k.removeprefix('capacity_')} {v:.2f}" for k, v in meta.items()
                          if k.startswith("capacity_")) + ".", ""]
+    lines += goals_lines(goal_sides(rows, table), rows, int(meta.get("replicas", 2)),
+                         meta.get("replica_model_together", meta.get("replica_model")))
     for key, what in (("calibration", "`sim` (the first replica profiled alone)"),
                       ("calibration_together", "`sim-together` (every replica profiled at once; the first one's "
                                                "profiles fitted)")):

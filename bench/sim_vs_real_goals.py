@@ -1,0 +1,90 @@
+"""The report's first section: each simulated side held against the goals (medians within 15%, p99 TTFT within
+25%, the policy pairs the real side decides ordered alike), and how fast the real engines ran against the
+calibration under this load, which says whether the errors measure the simulator or the machine's drift.
+
+On a shared VM the machine's speed moves by up to half within minutes (docs/sim.md): a calibration taken before the
+runs then sets every simulated step too fast or too slow, and near saturation a few percent in the step grow
+several-fold in TPOT. So next to each side's errors the section gives the real engines' mean step over the
+calibrated model at their own batch (vLLM's counters, `sim_vs_real_steps.step_ratio`), over the real runs, and
+says when it lies outside `DRIFT` of 1.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from sim.measured import ReplicaModel
+
+from .common import markdown_table
+from .sim_vs_real_ranking import ranking_table
+from .sim_vs_real_steps import step_ratio
+
+GOALS = {"ttft_p50": 0.15, "ttft_p99": 0.25, "tpot_p50": 0.15, "e2e_p50": 0.15}  # median |sim / real - 1|
+DRIFT = 0.10  # the real engines this far from the calibrated model at their own batch: the machine moved
+
+
+def median_errors(real: dict[str, Any], sim: dict[str, Any]) -> tuple[dict[str, float], int]:
+    """Median over the single-turn rows (point and policy) both sides have of |sim / real - 1|, per metric of
+    `GOALS`, and the number of rows."""
+    errors: dict[str, list[float]] = {m: [] for m in GOALS}
+    for point, by in real.items():
+        if point.startswith("chat") or point not in sim:
+            continue
+        for policy in (p for p in by if p in sim[point]):
+            for m in GOALS:
+                errors[m].append(abs(sim[point][policy][m] / by[policy][m] - 1))
+    rows = len(errors["ttft_p50"])
+    return ({m: float(np.median(v)) for m, v in errors.items()} if rows else {}), rows
+
+
+def speed_ratios(rows: Sequence[dict[str, Any]], replicas: int, model_path: str | None) -> list[float]:
+    """Each single-turn real run's mean step over the calibrated model at that run's own batch (empty without the
+    model's file or vLLM's counters)."""
+    if not model_path or not Path(model_path).exists():
+        return []
+    model = ReplicaModel.load(model_path)
+    ratios = (step_ratio(r, replicas, model) for r in rows if r["side"] == "real" and r["workload"] != "chat")
+    return [x for x in ratios if x is not None and math.isfinite(x)]
+
+
+def goals_lines(sides: Sequence[tuple[str, str, Sequence[dict[str, Any]], dict[str, dict[str, Any]]]],
+                rows: Sequence[dict[str, Any]], replicas: int, model_path: str | None) -> list[str]:
+    """`sides`: (name, what it is, the rows it is judged on, those rows pooled by `summarize`) per simulated side;
+    `model_path`: the calibration the speed is read against."""
+    body: list[list[object]] = []
+    for name, what, judged, pooled in sides:
+        errors, n = median_errors(pooled.get("real", {}), pooled.get(name, {}))
+        if not n:
+            continue
+        _, agreed, decided, _ = ranking_table(judged, pooled, name)
+        met = all(errors[m] <= goal for m, goal in GOALS.items())
+        body.append([f"`{name}` ({what})", n, *(f"{errors[m]:.0%}" + (" *" if errors[m] > goal else "")
+                                               for m, goal in GOALS.items()),
+                     f"{agreed} of {decided}" if decided else "-", "yes" if met else "no"])
+    if not body:
+        return []
+    lines = ["## The goals", "",
+             "Median over the single-turn rows (point and policy) of |sim / real - 1|; goals: " + ", ".join(
+                 f"{m} {goal:.0%}" for m, goal in GOALS.items()) + " (* where missed). Decided pairs: the policy "
+             "pairs every real seed orders alike by p99 TTFT, and how many of them the side's pooled figures order "
+             "the same way.", "",
+             markdown_table(["side", "rows", *GOALS, "decided pairs ordered alike", "error goals met"], body), ""]
+    ratios = speed_ratios(rows, replicas, model_path)
+    if ratios:
+        mid = float(np.median(ratios))
+        lines += [f"The machine's speed against the calibration: over the {len(ratios)} single-turn real runs the "
+                  f"engines stepped {mid:.2f} x the calibrated model at their own batch (median; {min(ratios):.2f}-"
+                  f"{max(ratios):.2f} x by run; vLLM's counters)."]
+        if abs(mid - 1) > DRIFT or max(ratios) / min(ratios) > 1 + 2 * DRIFT:
+            lines[-1] += (f" That is more than {DRIFT:.0%} from the calibration, or spread wider than "
+                          f"{2 * DRIFT:.0%} over the runs: the machine did not hold the speed it was calibrated at, "
+                          "and the errors above measure that as much as the simulator. `--pair-steps` runs each "
+                          "simulated run at its real twin's speed (an oracle for the speed: its errors are the "
+                          "simulator's own); `--match-steps` at the speed of the seed-0 runs, judged on the others.")
+        lines.append("")
+    return lines
