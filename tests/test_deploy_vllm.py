@@ -361,6 +361,12 @@ def test_the_simulator_against_these_replicas_quick(deployment: Deployment, tmp_
     report = (out / "report.md").read_text()
     assert "mix/poisson/0.5" in report and "Real against `sim-together`" in report
     assert "How repeatable the real side is: mix/poisson/0.5/0/prefix_affinity, run 2 times" in report
+    # the verdict first: the side against the goals, and the engines' speed against the calibration from the
+    # counters of the two real runs (the repeat is not counted)
+    goals = report.split("## The goals")[1].split("\n## ")[0]
+    assert report.index("## The goals") < report.index("Real against `sim-together`")
+    assert "| `sim-together` (calibrated with every replica busy) | 2 |" in goals
+    assert "over the 2 single-turn real runs the engines stepped" in goals
 
 
 def test_killed_replica_is_routed_around_restarted_and_taken_back(deployment: Deployment) -> None:
