@@ -1,6 +1,6 @@
-"""`bench.sim_vs_real`'s runs as stored (OUT/runs.jsonl) and its report: each side against the real one per point
-and policy, the ranking, how repeatable the real side is, where the CPU went, the default on real replicas and
-multi-turn chat's hit rates; the figure."""
+"""`bench.sim_vs_real`'s runs as stored (OUT/runs.jsonl) and its report: the goals first (bench/sim_vs_real_goals.py),
+then each side against the real one per point and policy, the ranking, how repeatable the real side is, where the
+CPU went, the default on real replicas and multi-turn chat's hit rates; the figure."""
 
 from __future__ import annotations
 
@@ -53,8 +53,8 @@ class Run:
         return f"{key}#{self.repeat}" if self.repeat else key
 
 
-
 def done_runs(path: Path) -> dict[str, dict[str, Any]]:
+    """The runs stored in OUT/runs.jsonl by their keys (none if it is not there yet); a rerun skips these."""
     if not path.exists():
         return {}
     rows = [json.loads(line) for line in path.read_text().splitlines() if line]
