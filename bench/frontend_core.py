@@ -9,11 +9,11 @@ turns on one core. `bench.sim_vs_real` under gamma arrivals found the real repli
 the simulator given each run's speed (docs/sim.md, "Bursty arrivals"); this measures how much of a first token's
 time that sharing costs.
 
-One replica of the tiny model (deploy's CPU settings) confined to `--engine-core`; per round, the same seeded
-gamma schedule (`mix` lengths, shape 0.25: a coefficient of variation of 2) sent straight to it twice: with the API
-server's threads on the engine's core ("shared") and on `--other-core` ("apart"), the engine's processes staying
-where they are. Per phase: client TTFT p50 (all, and the 128-token prompts), and vLLM's own split of its TTFT
-(API server, queue, prefill; `bench.sim_vs_real_ttft`).
+One replica of the tiny model, as `deploy up --model tiny` starts one, confined to `--engine-core`; per round, the
+same seeded gamma schedule (`mix` lengths, shape 0.25: a coefficient of variation of 2) sent straight to it twice:
+with the API server's threads on the engine's core ("shared") and on `--other-core` ("apart"), the engine's
+processes staying where they are. Per phase: client TTFT p50 (all, and the 128-token prompts), and vLLM's own
+split of its TTFT (API server, queue, prefill; `bench.sim_vs_real_ttft`).
 
     python -m bench.frontend_core [--rate 6] [--duration 25] [--rounds 3] [--out runs/frontend_core]
 """
@@ -28,7 +28,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-PHASES = {"shared": "the API server on its engine's core (as deploy runs it)", "apart": "the API server on another core"}
+PHASES = {"shared": "the API server on its engine's core (as deploy runs it)",
+          "apart": "the API server on another core"}
 METRICS = ("ttft_p50_ms", "short_ttft_p50_ms", "api_server_ms", "queue_ms", "prefill_ms")
 
 
@@ -88,25 +89,26 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     import psutil
 
-    from deploy.hardware import cpu_list
-    from deploy.models import TINY_MODEL_ARGS
-    from deploy.plan import ReplicaSpec
+    from deploy.hardware import Hardware
+    from deploy.launch import PlanOptions, default_plan, fit_to_hardware, launches, with_models
+    from deploy.models import tiny
     from deploy.ports import free_ports
     from deploy.process import VllmServer
-    from deploy.tinymodel import ensure_tiny_model
 
     from .engine_speed import counters
     from .sim_vs_real import WORKLOADS, loadtest
     from .sim_vs_real_ttft import COUNTERS, ttft_parts
 
     args.out.mkdir(parents=True, exist_ok=True)
-    model = str(ensure_tiny_model())
-    spec = ReplicaSpec(name="frontend-core", model=model, port=free_ports(), max_num_seqs=32, max_model_len=2048,
-                       cpu_kvcache_space_gib=1, served_model_name="tiny-opt",
-                       extra_args=tuple(a for flag in TINY_MODEL_ARGS for a in flag))
-    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": cpu_list((args.engine_core,))}
+    # the replica `deploy up --model tiny` would start on this one core: its settings, flags and environment
+    hardware = Hardware(gpus=(), cpus=(args.engine_core,))
+    plan = default_plan(PlanOptions(model="tiny", replicas=1, port=free_ports(2)), hardware)
+    plan = fit_to_hardware(with_models(plan, {"tiny": tiny("tiny", None, None)}), hardware)
+    launch = launches(plan, hardware)[0]
+    model = launch.spec.model  # the tiny model's directory: its tokenizer for the load generator
     rows = []
-    with VllmServer(spec, args.out / "vllm.log", env, startup_timeout_s=420, cpus=(args.engine_core,)) as server:
+    with VllmServer(launch.spec, args.out / "vllm.log", {**os.environ, **launch.env}, startup_timeout_s=420,
+                    cpus=launch.cpus) as server:
         assert server.pid is not None
         engine = [c.pid for c in psutil.Process(server.pid).children(recursive=True)]
         for k in range(args.rounds):
