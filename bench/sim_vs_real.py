@@ -288,6 +288,7 @@ class Setup:
     match_steps: bool = False  # a side MATCHED, run on the seeds after the first (the first is its warm-up)
     pair_steps: bool = False  # a side PAIRED: each run at its real twin's own step speed
     cpu_twin: bool = False  # simulated sides beside processes that use the CPU the real replicas used
+    frontend_on_core: bool = False  # the calibrated replicas' API server on their engine's core (sim.measured)
 
     def sides(self) -> tuple[str, ...]:
         """Every side, in the order they run: the real one first (the simulated sides need its runs)."""
@@ -417,7 +418,8 @@ def measure(setup: Setup) -> None:
                     model_path = out / f"replica{suffix(calibration)}.json"
                     meta[f"calibration{suffix(calibration)}"] = calibrate(
                         out, setup.profiles, len(real), suffix(calibration),
-                        range(setup.calibration_rounds), base["replicas"][0]["max_num_seqs"], tokenizer, model_path)
+                        range(setup.calibration_rounds), base["replicas"][0]["max_num_seqs"], tokenizer, model_path,
+                        setup.frontend_on_core)
                     meta[f"replica_model{suffix(calibration)}"] = str(model_path)
                     meta[f"calibration_rounds{suffix(calibration)}"] = setup.calibration_rounds
                     meta_path.write_text(json.dumps(meta, indent=1))
@@ -511,6 +513,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--cpu-twin", action="store_true", help="run every simulated side beside processes that "
                         "spin for as many cores as the real replicas used (their median over the real runs), at "
                         "the replicas' priority: the machine shared alike on both sides (bench/cpu_twin.py)")
+    parser.add_argument("--frontend-on-core", action="store_true", help="calibrate replica models whose API "
+                        "server shares its engine's core, as a CPU replica's does under `deploy up` "
+                        "(`sim calibrate --frontend-on-core`)")
     parser.add_argument("--repeats", type=int, help="run the real side's first run this many more "
                         "times, spread over its series, to measure how repeatable the real side is (3; --quick: 0)")
     parser.add_argument("--report", action="store_true", help="only rebuild the report from OUT/runs.jsonl")
@@ -536,7 +541,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                      "the real side alone)")
     setup = replace(setup, deployment=args.deployment, calibrations=calibrations,
                     repeats=repeats, follow_speed=args.follow_speed, calibration_rounds=args.calibration_rounds,
-                    match_steps=args.match_steps, pair_steps=args.pair_steps, cpu_twin=args.cpu_twin)
+                    match_steps=args.match_steps, pair_steps=args.pair_steps, cpu_twin=args.cpu_twin,
+                    frontend_on_core=args.frontend_on_core)
     if setup.match_steps and ("together" not in setup.calibrations or setup.seeds < 2):
         parser.error("--match-steps scales the together calibration to the seed-0 runs and is judged on the other "
                      "seeds: it needs together in --calibrations and --seeds 2 or more")

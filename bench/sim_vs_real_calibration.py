@@ -56,10 +56,10 @@ def profile_round(out: Path, names: Sequence[str], urls: Sequence[str], suffix: 
 
 
 def calibrate(out: Path, names: Sequence[str], replicas: int, suffix: str, rounds: Sequence[int], max_num_seqs: int,
-              tokenizer: str, model_path: Path) -> str:
+              tokenizer: str, model_path: Path, frontend_on_core: bool = False) -> str:
     """Fit a replica model to the first replica's profiles in `rounds` (`sim calibrate` takes, point by point,
     the round with the median TPOT) and write it to `model_path`: `sim calibrate`'s report. `replicas`: how many
-    the deployment has."""
+    the deployment has; `frontend_on_core`: the model's API server shares its engine's core."""
     profiles = []
     for round_k in rounds:
         for name in names:
@@ -67,7 +67,8 @@ def calibrate(out: Path, names: Sequence[str], replicas: int, suffix: str, round
     fit = subprocess.run([sys.executable, "-m", "sim.cli", "calibrate", *profiles, "--out", str(model_path),
                           "--max-num-seqs", str(max_num_seqs), "--max-num-batched-tokens", str(BATCHED_TOKENS),
                           "--chunked-prefill", "--prefix-caching", "--max-model-len", str(MAX_MODEL_LEN),
-                          "--tokenizer", tokenizer, "--served-model-name", MODEL],
+                          "--tokenizer", tokenizer, "--served-model-name", MODEL,
+                          *(["--frontend-on-core"] if frontend_on_core else [])],
                          check=True, timeout=900, capture_output=True, text=True)
     return fit.stdout
 
@@ -84,6 +85,7 @@ def round_models(out: Path, meta: dict[str, Any], suffix: str) -> list[str]:
         path = out / f"replica{suffix}-r{k}.json"
         if not path.exists():
             calibrate(out, meta["profiles"], int(meta["replicas"]), suffix, [k],
-                      fitted.max_num_seqs, fitted.tokenizer or str(ensure_tiny_model()), path)
+                      fitted.max_num_seqs, fitted.tokenizer or str(ensure_tiny_model()), path,
+                      fitted.frontend_on_core)
         paths.append(str(path))
     return paths

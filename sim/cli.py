@@ -80,6 +80,9 @@ def _parser() -> argparse.ArgumentParser:
                      help="whether it caches prefixes (vLLM V1: yes unless disabled)")
     cal.add_argument("--tokenizer", help="the served model's tokenizer.json or its directory")
     cal.add_argument("--served-model-name", help="the model name its API serves")
+    cal.add_argument("--frontend-on-core", action="store_true", help="the profiled replica's API server shared "
+                     "its engine's core (a CPU replica confined to one core, as `deploy up` runs one): the "
+                     "simulated replica's steps stand still while a request passes its front end")
     run = sub.add_parser("run", help="a large experiment in virtual time: Poisson arrivals, gateway routing")
     _add_node_flags(run)
     run.add_argument("--requests", type=int, default=100_000)
@@ -183,7 +186,7 @@ def _calibrate_profile(args: argparse.Namespace) -> None:
     given = EngineFacts(args.max_num_seqs, args.max_num_batched_tokens, args.chunked_prefill, args.prefix_caching,
                         args.max_model_len, args.tokenizer, args.served_model_name)
     try:
-        model, rows = calibrate(args.profile[0], given, extra=args.profile[1:])
+        model, rows = calibrate(args.profile[0], given, extra=args.profile[1:], frontend_on_core=args.frontend_on_core)
     except CalibrationError as exc:
         raise UsageError(str(exc)) from None
     Path(args.out).write_text(model.to_json(), encoding="utf-8")
@@ -200,7 +203,8 @@ async def serve_measured(model: ReplicaModel, replicas: int, port: int, host: st
     _, _, engines = MeasuredSpec(model, replicas).build(LoopClock(asyncio.get_running_loop()))
     announce = (f"{replicas} replica(s) imitating {model.model_name} ({model.source.get('profile', '?')}) at "
                 f"http://{host}:{port}..{port + replicas - 1}")
-    await serve_until_stopped([make_app(engine, model.model_name, seed + i, coder, model.frontend_s, model.stream_s)
+    await serve_until_stopped([make_app(engine, model.model_name, seed + i, coder, model.frontend_s, model.stream_s,
+                                        model.frontend_on_core)
                                for i, engine in enumerate(engines)], host, port, announce)
 
 

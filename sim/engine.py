@@ -123,8 +123,10 @@ class Engine:
     """One simulated vLLM replica."""
 
     def __init__(self, config: EngineConfig, steptime: StepTime, device: SharedDevice, clock: Clock,
-                 name: str = "replica") -> None:
+                 name: str = "replica", host_on_device: bool = False) -> None:
         self.config, self.steptime, self.device, self.clock, self.name = config, steptime, device, clock, name
+        # The whole step (host part too) is work on `device`: a CPU replica whose one core its API server shares.
+        self.host_on_device = host_on_device
         self._bs = config.block_size
         self.waiting: deque[SimRequest] = deque()
         self.running: dict[int, SimRequest] = {}  # admission order: the last is the first to be preempted
@@ -247,6 +249,9 @@ class Engine:
         self._busy = True
         self.steps_total += 1
         self.max_blocks_used = max(self.max_blocks_used, self.used_blocks)
+        if self.host_on_device:
+            self.device.submit(self.steptime.host_s(seqs) + self._device_s(), self._complete)
+            return
         self.clock.call_at(self.clock.now() + self.steptime.host_s(seqs), self._launch, self._device_s())
 
     def _device_s(self) -> float:

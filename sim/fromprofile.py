@@ -207,14 +207,15 @@ def replay_point(model: ReplicaModel, batch_size: int, requests: int, prompt: in
                  output: int) -> tuple[float, float, float]:
     """`replay`, and the tokens a streamed chunk carried on average (as mean ITL / mean TPOT measures it)."""
     clock = VirtualClock()
-    engine = Engine(engine_config(model), MeasuredStepTime(model), SharedDevice(clock), clock)
+    engine = Engine(engine_config(model), MeasuredStepTime(model), SharedDevice(clock), clock,
+                    host_on_device=model.frontend_on_core)
     sent: dict[int, float] = {}
     first: dict[int, float] = {}
     last: dict[int, float] = {}
     chunks: dict[int, int] = {}
     done: list[SimRequest] = []
     left = [requests]
-    frontend = FrontEnd(model.frontend_s, model.stream_s)
+    frontend = FrontEnd(model.frontend_s, model.stream_s, engine.device if model.frontend_on_core else None)
     streamed = model.stream_s > 0  # tokens pass the front end one by one (else: at the engine's times)
 
     def send() -> None:
@@ -323,19 +324,20 @@ def _grouped(profiles: Sequence[Profile]) -> list[Profile]:
 
 
 def calibrate(profile_dir: str | Path, given: EngineFacts = EngineFacts(), iters: int = 40,
-              extra: Sequence[str | Path] = ()) -> tuple[ReplicaModel, list[PointFit]]:
+              extra: Sequence[str | Path] = (), frontend_on_core: bool = False) -> tuple[ReplicaModel, list[PointFit]]:
     """The fitted replica model and its point-by-point comparison with the profile(s).
 
     `extra`: more profiles of the same replica. One with the first's workload is another round of it (see
     `median_of_rounds`); one with longer requests (and its own rounds) has its steps (one per batch size) fitted
-    too, and makes a step grow with the decoding sequences' context.
+    too, and makes a step grow with the decoding sequences' context. `frontend_on_core`: the profiled replica's
+    API server shared its engine's core (a CPU replica on one core); the fit replays the sweep so.
     """
     groups = _grouped([_load(path, given) for path in (profile_dir, *extra)])
     if len(groups) > 2:
         raise CalibrationError("give profiles of at most two workloads: one with short requests, one with long "
                                "ones (several profiles of one workload are rounds)")
     profile = groups[0]
-    start = initial_model(profile, facts_from_profile(profile, given))
+    start = replace(initial_model(profile, facts_from_profile(profile, given)), frontend_on_core=frontend_on_core)
     profiles = [profile]
     if len(groups) == 2:
         long = groups[1]
@@ -372,7 +374,9 @@ def format_fit(model: ReplicaModel, rows: Sequence[PointFit]) -> str:
                      ", ".join(f"{b}: {s * 1e3:.2f} ms" for b, s in model.long_step_s))
     lines += [
              f"prefill: {model.prefill_s_per_token * 1e6:.1f} us/token ({model.prefill_tokens_s:,.0f} tokens/s); "
-             f"front end: {model.frontend_s * 1e3:.1f} ms a request, {model.stream_s * 1e6:.0f} us a streamed chunk",
+             f"front end: {model.frontend_s * 1e3:.1f} ms a request"
+             f"{' (on the engine' + chr(39) + 's core)' if model.frontend_on_core else ''}, "
+             f"{model.stream_s * 1e6:.0f} us a streamed chunk",
              f"max_num_seqs {model.max_num_seqs}, max_num_batched_tokens {model.max_num_batched_tokens}, "
              f"chunked prefill {model.chunked_prefill}, prefix caching {model.prefix_caching}, "
              f"{model.num_blocks} blocks of {model.block_size} tokens, max_model_len {model.max_model_len}",

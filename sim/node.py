@@ -80,7 +80,8 @@ class MeasuredSpec:
     def build(self, clock: Clock) -> tuple[SharedDevice, StepTime, list[Engine]]:
         shared, config = SharedDevice(clock), self.engine_config()
         engines = [Engine(config, MeasuredStepTime(self.replica),  # its own: each replica's speed can be scaled
-                          shared if self.replica.shared_device else SharedDevice(clock), clock, f"replica-{i}")
+                          shared if self.replica.shared_device else SharedDevice(clock), clock, f"replica-{i}",
+                          host_on_device=self.replica.frontend_on_core)
                    for i in range(self.replicas)]
         return shared, engines[0].steptime, engines
 
