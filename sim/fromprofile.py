@@ -38,9 +38,8 @@ from planner.sources import load_profile
 
 from .calibrate import nelder_mead
 from .clock import VirtualClock
-from .device import SharedDevice
-from .engine import Engine, EngineConfig, SimRequest
-from .measured import FrontEnd, MeasuredStepTime, ReplicaModel
+from .engine import EngineConfig, SimRequest
+from .measured import FrontEnd, ReplicaModel
 from .node import MeasuredSpec
 
 
@@ -207,8 +206,7 @@ def replay_point(model: ReplicaModel, batch_size: int, requests: int, prompt: in
                  output: int) -> tuple[float, float, float]:
     """`replay`, and the tokens a streamed chunk carried on average (as mean ITL / mean TPOT measures it)."""
     clock = VirtualClock()
-    engine = Engine(engine_config(model), MeasuredStepTime(model), SharedDevice(clock), clock,
-                    host_on_device=model.frontend_on_core)
+    engine = MeasuredSpec(model).build(clock)[2][0]
     sent: dict[int, float] = {}
     first: dict[int, float] = {}
     last: dict[int, float] = {}
@@ -367,6 +365,7 @@ def calibrate(profile_dir: str | Path, given: EngineFacts = EngineFacts(), iters
 
 
 def format_fit(model: ReplicaModel, rows: Sequence[PointFit]) -> str:
+    where = " (on the engine's core)" if model.frontend_on_core else ""
     lines = [f"step(B) at {model.step_context:.0f} tokens of context: " +
              ", ".join(f"{b}: {s * 1e3:.2f} ms" for b, s in model.step_s)]
     if model.long_step_s:
@@ -374,9 +373,8 @@ def format_fit(model: ReplicaModel, rows: Sequence[PointFit]) -> str:
                      ", ".join(f"{b}: {s * 1e3:.2f} ms" for b, s in model.long_step_s))
     lines += [
              f"prefill: {model.prefill_s_per_token * 1e6:.1f} us/token ({model.prefill_tokens_s:,.0f} tokens/s); "
-             f"front end: {model.frontend_s * 1e3:.1f} ms a request"
-             f"{' (on the engine' + chr(39) + 's core)' if model.frontend_on_core else ''}, "
-             f"{model.stream_s * 1e6:.0f} us a streamed chunk",
+             f"front end: {model.frontend_s * 1e3:.1f} ms a request{where}, {model.stream_s * 1e6:.0f} us a "
+             "streamed chunk",
              f"max_num_seqs {model.max_num_seqs}, max_num_batched_tokens {model.max_num_batched_tokens}, "
              f"chunked prefill {model.chunked_prefill}, prefix caching {model.prefix_caching}, "
              f"{model.num_blocks} blocks of {model.block_size} tokens, max_model_len {model.max_model_len}",
