@@ -299,26 +299,24 @@ def test_the_simulator_against_these_replicas_quick(deployment: Deployment, tmp_
     """`python -m bench.sim_vs_real --quick` over this deployment's replicas: profile one, calibrate, the same
     schedule through a gateway per policy on both sides; every request completes and the simulator's median TTFT,
     TPOT and E2E are within a factor of three of the real ones (the goal's 15% is the full run's to judge). The
-    default calibration (both replicas profiled at once, the side `sim-together`); with `--repeats 1`, the real
-    side's first run once more, set beside the first in the report. Left to the fast tests
+    default calibration (both replicas profiled at once, the side `sim-together`). Left to the fast tests
     (tests/test_bench_sim_vs_real.py, test_sim_serve.py, test_sim_fromprofile.py), for CI's time: the `isolated`
     calibration (60 s here), `--follow-speed` and `--calibration-rounds` (70 s; two experiments docs/sim.md found
-    fragile)."""
+    fragile), `--repeats` (about 20 s a repeat)."""
     import math
 
     from sim.measured import ReplicaModel
 
     out = tmp_path / "svr"
     done = subprocess.run([sys.executable, "-m", "bench.sim_vs_real", "--quick", "--out", str(out), "--port", "18500",
-                           "--deployment", str(deployment.run_dir), "--repeats", "1"],
+                           "--deployment", str(deployment.run_dir)],
                           capture_output=True, text=True, timeout=840,
                           cwd=Path(__file__).resolve().parent.parent)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     rows = [json.loads(line) for line in (out / "runs.jsonl").read_text().splitlines()]
     sides = ("real", "sim-together")
     assert {(r["side"], r["policy"]) for r in rows} == {(s, p) for s in sides
-                                                        for p in ("prefix_affinity", "round_robin")} | {
-        ("real-repeat", "prefix_affinity")}  # the real side's first run, run again after the others
+                                                        for p in ("prefix_affinity", "round_robin")}
     together = ReplicaModel.load(out / "replica_together.json")  # fitted to the first of two profiles taken at once
     assert together.block_size == 128 and together.max_num_seqs == 32 and together.prefix_caching
     assert sorted(p.name for p in (out / "profile-quick_together" / "1").glob("point-b*.json")) == [
@@ -360,9 +358,8 @@ def test_the_simulator_against_these_replicas_quick(deployment: Deployment, tmp_
             assert math.isfinite(b) and 1 / 3 < b / a < 3, (policy, metric, a, b)
     report = (out / "report.md").read_text()
     assert "mix/poisson/0.5" in report and "Real against `sim-together`" in report
-    assert "How repeatable the real side is: mix/poisson/0.5/0/prefix_affinity, run 2 times" in report
     # the verdict first: the side against the goals, and the engines' speed against the calibration from the
-    # counters of the two real runs (the repeat is not counted)
+    # counters of the two real runs
     goals = report.split("## The goals")[1].split("\n## ")[0]
     assert report.index("## The goals") < report.index("Real against `sim-together`")
     assert "| `sim-together` (calibrated with every replica busy) | 2 |" in goals
