@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from .common import markdown_table
+from .sim_vs_real_steps import rank_correlation
 
 BINS = (0.0, 3.0, 5.0, 7.0, 10.0, 15.0, 25.0, float("inf"))
 
@@ -68,10 +69,10 @@ def inflight_lines(rows: Sequence[dict[str, Any]], replicas: int, sim_side: str)
             rest, tpot, held, speed = (np.array(v) for v in zip(*points))
             note = (f"{load:g}: rest {rest.min():.2f}-{rest.max():.2f} cores, TPOT {tpot.min():.1f}-{tpot.max():.1f} "
                     f"ms, in flight {held.min():.1f}-{held.max():.1f}, rank correlation of TPOT with rest "
-                    f"{_spearman(rest, tpot):+.2f}")
+                    f"{rank_correlation(rest, tpot):+.2f}")
             if not np.isnan(speed).any():
                 note += (f", with the speedometer (us of CPU for a fixed piece of work, about each run) "
-                         f"{speed.min():.0f}-{speed.max():.0f} us {_spearman(speed, tpot):+.2f}")
+                         f"{speed.min():.0f}-{speed.max():.0f} us {rank_correlation(speed, tpot):+.2f}")
             notes.append(note + f" ({len(points)} runs)")
     if notes:
         lines += ["Real runs by load, the rest of the machine's CPU against TPOT: " + "; ".join(notes) + ".", ""]
@@ -95,7 +96,3 @@ def series_lines(rows: Sequence[dict[str, Any]], replicas: int) -> list[str]:
             markdown_table(["#", "point / seed", "policy", "speedometer ms", "rest (cores)", "in flight per replica",
                             "TPOT p50 ms"], body), ""]
 
-
-def _spearman(a: np.ndarray, b: np.ndarray) -> float:
-    ra, rb = np.argsort(np.argsort(a)), np.argsort(np.argsort(b))
-    return float(np.corrcoef(ra, rb)[0, 1])

@@ -21,7 +21,7 @@ from .sim_vs_real_goals import goals_lines
 from .sim_vs_real_inflight import inflight_lines
 from .sim_vs_real_ranking import point_of, ranking_lines, verdict_lines
 from .sim_vs_real_rounds import models_lines, rounds_lines
-from .sim_vs_real_steps import steps_lines
+from .sim_vs_real_steps import speedometer_lines, steps_lines
 from .sim_vs_real_ttft import ttft_lines
 
 POLICIES = ("prefix_affinity", "least_outstanding_tokens", "least_requests", "round_robin")
@@ -211,6 +211,8 @@ def report(out: Path, meta: dict[str, Any]) -> str:
                 lines += models_lines(rows, int(meta["replicas"]), meta[key.replace("calibration", "replica_model")],
                                       round_models(out, meta, suffix))
     lines += repeatability(rows)
+    lines += speedometer_lines(rows, int(meta.get("replicas", 2)), meta.get("replica_model_together"),
+                               meta.get("speed_us_together"))
     if "cpu_twin_cores" in meta:
         lines += [f"`--cpu-twin`: every simulated side ran beside processes spinning {meta['cpu_twin_cores']:.2f} "
                   f"cores (the real replicas' median over the real runs), {REPLICA_NICE} steps below normal "

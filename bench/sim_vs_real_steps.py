@@ -145,3 +145,34 @@ def matched_scale(scales: float | dict[str, float], workload: str) -> float:
             raise ValueError(f"no seed-0 real run of workload {workload!r} to match its steps to")
         return scales[workload]
     return scales
+
+
+def speedometer_lines(rows: Sequence[dict[str, Any]], replicas: int, model_path: str | None,
+                      speed_ref_us: float | None) -> list[str]:
+    """Whether the speedometer (`speed_us`, bench.common.machine_speed) could stand in for the real engines' speed:
+    per real single-turn run, the engines' step over the replica model at their own batch (`step_ratio`) beside the
+    speedometer over its reading about the calibration. If it followed the engines, the model scaled by it would
+    miss the real step by less than the model alone."""
+    model = ReplicaModel.load(model_path) if model_path and Path(model_path).is_file() else None
+    if model is None or not speed_ref_us:
+        return []
+    pairs = [(float(r["speed_us"]) / speed_ref_us, ratio) for r in rows
+             if r["side"] == "real" and r["workload"] != "chat" and "speed_us" in r
+             and (ratio := step_ratio(r, replicas, model)) is not None]
+    if len(pairs) < 3:
+        return []
+    speedo, engines = (np.array(v) for v in zip(*pairs))
+    alone, scaled = float(np.median(abs(engines - 1))), float(np.median(abs(engines / speedo - 1)))
+    return ["## Could the speedometer stand in for the engines' speed?", "",
+            f"Over the {len(pairs)} real single-turn runs: the engines stepped {engines.min():.2f}-{engines.max():.2f} "
+            f"x the replica model at their own batch (median {float(np.median(engines)):.2f}); the speedometer read "
+            f"{speedo.min():.2f}-{speedo.max():.2f} x its reading about the calibration (median "
+            f"{float(np.median(speedo)):.2f}). Rank correlation {rank_correlation(speedo, engines):+.2f}. The median "
+            f"miss of the model's step: {alone:.0%} as calibrated, {scaled:.0%} scaled by the speedometer"
+            + (" (scaling helps)." if scaled < alone else " (scaling does not help)."), ""]
+
+
+def rank_correlation(a: np.ndarray, b: np.ndarray) -> float:
+    """Spearman's rank correlation (no ties expected: measured floats)."""
+    ra, rb = np.argsort(np.argsort(a)), np.argsort(np.argsort(b))
+    return float(np.corrcoef(ra, rb)[0, 1])

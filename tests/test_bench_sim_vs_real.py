@@ -12,7 +12,7 @@ from bench.sim_vs_real import Setup
 from bench.sim_vs_real_report import REPEAT, Run, done_runs, repeatability, report, summarize
 from bench.sim_vs_real_inflight import inflight_lines
 from bench.sim_vs_real_ranking import ranking_lines, verdict_lines
-from bench.sim_vs_real_steps import decoding_context, steps_lines
+from bench.sim_vs_real_steps import decoding_context, speedometer_lines, steps_lines
 from sim.measured import ReplicaModel
 
 
@@ -189,6 +189,37 @@ def test_the_engines_steps_are_set_side_by_side_and_against_the_replica_model(tm
     followed = [*rows[:2], {**_stepped("sim-followed", 2000, 16000, 20000), "scale": 1.2}]
     assert "| 10.00 | 10.00 | +0% | 10.0 | 10.0 | 10.80 | +8% |" in \
         "\n".join(steps_lines(followed, 2, "sim-followed", str(path), scaled=True))
+
+
+def test_the_speedometer_is_held_against_the_engines_own_speed(tmp_path: Path) -> None:
+    """Three real runs whose engines step 10, 11.1 and 13.3 ms where the model gives 9.0 ms (8 sampled, 10 prompt
+    tokens a step): 1.11, 1.23 and 1.48 x, a median miss of 23%. A speedometer that read the same ratios over its
+    calibration reading would take the miss to 0%; one that read them the other way round makes it 25%. Simulated
+    runs, chat runs and runs without a reading do not count; without the model or the calibration's reading, or
+    with fewer than three runs, there is no section."""
+    model = ReplicaModel(model_name="m", step_s=((1, 0.005), (16, 0.0125)), prefill_s_per_token=50e-6,
+                         frontend_s=0.0, max_num_seqs=32, max_num_batched_tokens=2048, chunked_prefill=True,
+                         prefix_caching=True, block_size=128, num_blocks=100, max_model_len=2048)
+    path = tmp_path / "replica.json"
+    path.write_text(model.to_json())
+    steps = (2000, 1800, 1500)
+    ratios = [20000 / n / 9.0 for n in steps]
+
+    def runs(readings: list[float]) -> list[dict[str, object]]:
+        return [{**_stepped("real", n, 8 * n, 10 * n), "speed_us": 20000 * r} for n, r in zip(steps, readings)]
+    others = [{**_stepped("sim-together", 1000, 8000, 10000), "speed_us": 1.0},
+              {**_stepped("real", 1000, 8000, 10000), "workload": "chat", "speed_us": 1.0},
+              _stepped("real", 1000, 8000, 10000)]
+    follows = "\n".join(speedometer_lines([*runs(ratios), *others], 2, str(path), 20000.0))
+    assert "Over the 3 real single-turn runs: the engines stepped 1.11-1.48 x" in follows
+    assert "Rank correlation +1.00" in follows and "23% as calibrated, 0% scaled by the speedometer (scaling helps)" \
+        in follows
+    against = "\n".join(speedometer_lines(runs(ratios[::-1]), 2, str(path), 20000.0))
+    assert "Rank correlation -1.00" in against and "23% as calibrated, 25% scaled" in against
+    assert "(scaling does not help)" in against
+    assert speedometer_lines(runs(ratios), 2, None, 20000.0) == []
+    assert speedometer_lines(runs(ratios), 2, str(path), None) == []
+    assert speedometer_lines(runs(ratios)[:2], 2, str(path), 20000.0) == []
 
 
 def test_the_replica_model_is_taken_at_each_real_runs_decoding_context(tmp_path: Path) -> None:
