@@ -12,7 +12,7 @@ from bench.sim_vs_real import Setup
 from bench.sim_vs_real_report import REPEAT, Run, done_runs, repeatability, report, summarize
 from bench.sim_vs_real_inflight import inflight_lines
 from bench.sim_vs_real_ranking import ranking_lines, verdict_lines
-from bench.sim_vs_real_steps import decoding_context, speedometer_lines, steps_lines
+from bench.sim_vs_real_steps import busy_s, decoding_context, per_run, speedometer_lines, steps_lines
 from sim.measured import ReplicaModel
 
 
@@ -189,6 +189,19 @@ def test_the_engines_steps_are_set_side_by_side_and_against_the_replica_model(tm
     followed = [*rows[:2], {**_stepped("sim-followed", 2000, 16000, 20000), "scale": 1.2}]
     assert "| 10.00 | 10.00 | +0% | 10.0 | 10.0 | 10.80 | +8% |" in \
         "\n".join(steps_lines(followed, 2, "sim-followed", str(path), scaled=True))
+
+
+def test_a_step_is_timed_over_the_replicas_busy_time_not_the_idle_gaps_between_arrivals() -> None:
+    """Replica a has requests in flight over [0, 2] (two overlapping) and [3, 4], replica b over [1, 1.5]: 3.5 s
+    busy in a 10 s span. 350 steps are 10 ms each, where the span would make them 57 ms. Rows whose first tokens
+    do not pair with their E2E times (a request without a first token) fall back to the span."""
+    firsts = [[0.0, 0.1, 128, "a"], [0.5, 0.1, 128, "a"], [3.0, 0.1, 128, "a"], [1.0, 0.1, 128, "b"]]
+    row = {**_stepped("real", 350, 700, 3500), "firsts": firsts, "e2e_s": [1.0, 1.5, 1.0, 0.5]}
+    assert busy_s(row) == pytest.approx(3.5)
+    assert per_run(row, 2) == pytest.approx((2.0, 10.0, 10.0))
+    unpaired = {**row, "e2e_s": [1.0, 1.5, 1.0, 0.5, 2.0]}
+    assert busy_s(unpaired) is None and per_run(unpaired, 2) == pytest.approx((2.0, 1000 * 20 / 350, 10.0))
+    assert busy_s(_stepped("real", 350, 700, 3500)) is None  # rows from before `firsts`
 
 
 def test_the_speedometer_is_held_against_the_engines_own_speed(tmp_path: Path) -> None:
