@@ -9,7 +9,7 @@ counts the same. Per replica, over the run's span (first request sent to last on
 - **ms a step**: the replicas' busy time / steps, a replica busy while a request it was sent is in flight (from
   the client's sending to its last byte: `busy_s`). Runs without each request's replica and end fall back to the
   span x replicas / steps, which counts the time a replica idled between arrivals: on 2026-11-28's stored runs
-  the span was 1.02-1.06 x the busy time at 80% and 95% load, 1.06 x at 50% under Poisson, 1.22 x under bursts;
+  the span was 1.02-1.06 x the busy time at 80% and 95% load, 1.06 x at 50% under Poisson, 1.22 x at 50% under bursts;
 - **prompt tokens a step**.
 
 Beside the real side's figures, the replica model the simulated side was calibrated with, evaluated at the real
