@@ -213,7 +213,7 @@ def replay_point(model: ReplicaModel, batch_size: int, requests: int, prompt: in
     chunks: dict[int, int] = {}
     done: list[SimRequest] = []
     left = [requests]
-    frontend = FrontEnd(model.frontend_s, model.stream_s, engine.device if model.frontend_on_core else None)
+    frontend = FrontEnd.of(engine, model.frontend_s, model.stream_s)
     streamed = model.stream_s > 0  # tokens pass the front end one by one (else: at the engine's times)
 
     def send() -> None:

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from .device import SharedDevice
+from .engine import Engine
 
 
 class ConfigError(ValueError):
@@ -168,6 +169,12 @@ class FrontEnd:
         self._base = (service_s, stream_s)
         self._free_at = 0.0
         self._pending: dict[int, float] = {}
+
+    @classmethod
+    def of(cls, engine: Engine, service_s: float, stream_s: float = 0.0) -> FrontEnd:
+        """`engine`'s front end: on the engine's core where the engine's whole step is work there
+        (`Engine.host_on_device`, which `MeasuredSpec` sets from `ReplicaModel.frontend_on_core`)."""
+        return cls(service_s, stream_s, engine.device if engine.host_on_device else None)
 
     def admit(self, now: float) -> float:
         """When a request arriving `now` reaches the engine."""

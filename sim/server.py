@@ -489,12 +489,11 @@ async def speed(request: web.Request) -> web.Response:
 
 
 def make_app(engine: Engine, model_name: str, seed: int | None = None, coder: Coder | None = None,
-             frontend_s: float = 0.0, stream_s: float = 0.0, frontend_on_core: bool = False) -> web.Application:
+             frontend_s: float = 0.0, stream_s: float = 0.0) -> web.Application:
     """One simulated replica's aiohttp application (`frontend_s`, `stream_s`: its API server's cost per request
-    and per streamed chunk, `FrontEnd`; `frontend_on_core`: the per-request cost is work on the engine's core)."""
+    and per streamed chunk, `FrontEnd.of` the engine: on its core where the engine's step is)."""
     app = web.Application()
-    frontend = FrontEnd(frontend_s, stream_s, engine.device if frontend_on_core else None) \
-        if frontend_s or stream_s else None
+    frontend = FrontEnd.of(engine, frontend_s, stream_s) if frontend_s or stream_s else None
     app[STATE] = ReplicaState(engine, model_name, random.Random(seed), coder=coder, frontend=frontend)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat)

@@ -129,8 +129,7 @@ async def test_a_served_replica_model_streams_at_its_measured_pace(aiohttp_serve
     front end off the engine's core or on it: the engine idle, the same)."""
     model = replace(TRUE, frontend_on_core=on_core)
     node = Node(MeasuredSpec(model, 1), LoopClock(asyncio.get_running_loop()))
-    server = await aiohttp_server(make_app(node.engines[0], "m", 0, None, model.frontend_s,
-                                           frontend_on_core=model.frontend_on_core))
+    server = await aiohttp_server(make_app(node.engines[0], "m", 0, None, model.frontend_s))
     body = {"model": "m", "prompt": "abcd" * 256, "max_tokens": 8, "stream": True, "ignore_eos": True}
     async with aiohttp.ClientSession() as session:
         loop = asyncio.get_running_loop()
@@ -346,7 +345,7 @@ def test_a_burst_slows_the_steps_of_a_replica_whose_front_end_shares_its_core() 
 
         clock = VirtualClock()
         engine = Node(MeasuredSpec(model, 1), clock).engines[0]
-        front = FrontEnd(model.frontend_s, core=engine.device if model.frontend_on_core else None)
+        front = FrontEnd.of(engine, model.frontend_s)
         ends: list[float] = []
         reach: list[float] = []
 
