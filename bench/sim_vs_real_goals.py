@@ -21,19 +21,25 @@ import numpy as np
 from sim.measured import ReplicaModel
 
 from .common import markdown_table
-from .sim_vs_real_ranking import ranking_table
+from .sim_vs_real_ranking import point_of, ranking_table
 from .sim_vs_real_steps import step_ratio
 
 GOALS = {"ttft_p50": 0.15, "ttft_p99": 0.25, "tpot_p50": 0.15, "e2e_p50": 0.15}  # median |sim / real - 1|
 DRIFT = 0.10  # the real engines this far from the calibrated model at their own batch: the machine moved
 
 
-def median_errors(real: dict[str, Any], sim: dict[str, Any]) -> tuple[dict[str, float], int]:
+def traffic_of(point: str) -> str:
+    """A point's traffic, its name less the load: workload/arrivals (`mix/gamma/0.8` -> `mix/gamma`)."""
+    return point.rsplit("/", 1)[0]
+
+
+def median_errors(real: dict[str, Any], sim: dict[str, Any], traffic: str | None = None
+                  ) -> tuple[dict[str, float], int]:
     """Median over the single-turn rows (point and policy) both sides have of |sim / real - 1|, per metric of
-    `GOALS`, and the number of rows."""
+    `GOALS`, and the number of rows; only the points of `traffic` where given."""
     errors: dict[str, list[float]] = {m: [] for m in GOALS}
     for point, by in real.items():
-        if point.startswith("chat") or point not in sim:
+        if point.startswith("chat") or point not in sim or traffic not in (None, traffic_of(point)):
             continue
         for policy in (p for p in by if p in sim[point]):
             for m in GOALS:
@@ -58,14 +64,8 @@ def goals_lines(sides: Sequence[tuple[str, str, Sequence[dict[str, Any]], dict[s
     `model_path`: the calibration the speed is read against."""
     body: list[list[object]] = []
     for name, what, judged, pooled in sides:
-        errors, n = median_errors(pooled.get("real", {}), pooled.get(name, {}))
-        if not n:
-            continue
-        _, agreed, decided, _ = ranking_table(judged, pooled, name)
-        met = all(errors[m] <= goal for m, goal in GOALS.items())
-        body.append([f"`{name}` ({what})", n, *(f"{errors[m]:.0%}" + (" *" if errors[m] > goal else "")
-                                               for m, goal in GOALS.items()),
-                     f"{agreed} of {decided}" if decided else "-", "yes" if met else "no"])
+        if row := _goal_row(name, judged, pooled, None):
+            body.append([f"`{name}` ({what})", *row])
     if not body:
         return []
     lines = ["## The goals", "",
@@ -87,4 +87,38 @@ def goals_lines(sides: Sequence[tuple[str, str, Sequence[dict[str, Any]], dict[s
                           "simulated run at its real twin's speed (an oracle for the speed: its errors are the "
                           "simulator's own); `--match-steps` at the speed of the seed-0 runs, judged on the others.")
         lines.append("")
-    return lines
+    return lines + _by_traffic(sides, rows, replicas, model_path)
+
+
+def _goal_row(name: str, judged: Sequence[dict[str, Any]], pooled: dict[str, dict[str, Any]], traffic: str | None
+              ) -> list[object]:
+    """One side's row of the goals' table (rows, errors, decided pairs ordered alike, met), over `traffic`'s points
+    only where given; empty where the side has no row there."""
+    errors, n = median_errors(pooled.get("real", {}), pooled.get(name, {}), traffic)
+    if not n:
+        return []
+    if traffic is not None:
+        judged = [r for r in judged if traffic_of(point_of(r)) == traffic]
+    _, agreed, decided, _ = ranking_table(judged, pooled, name)
+    met = all(errors[m] <= goal for m, goal in GOALS.items())
+    return [n, *(f"{errors[m]:.0%}" + (" *" if errors[m] > goal else "") for m, goal in GOALS.items()),
+            f"{agreed} of {decided}" if decided else "-", "yes" if met else "no"]
+
+
+def _by_traffic(sides: Sequence[tuple[str, str, Sequence[dict[str, Any]], dict[str, dict[str, Any]]]],
+                rows: Sequence[dict[str, Any]], replicas: int, model_path: str | None) -> list[str]:
+    """The goals' table again per traffic (workload and arrivals), with the machine's speed over that traffic's
+    real runs, where a run has more than one: a miss under bursts and a hit under Poisson do not average out."""
+    traffics = sorted({traffic_of(point_of(r)) for r in rows if r["side"] == "real" and r["workload"] != "chat"})
+    if len(traffics) < 2:
+        return []
+    body: list[list[object]] = []
+    for traffic in traffics:
+        ratios = speed_ratios([r for r in rows if traffic_of(point_of(r)) == traffic], replicas, model_path)
+        speed = f"{np.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f})" if ratios else "-"
+        body += [[traffic, f"`{name}`", speed, *row] for name, _, judged, pooled in sides
+                 if (row := _goal_row(name, judged, pooled, traffic))]
+    return ["By traffic: the same medians over each traffic's rows, beside the real engines' step over the "
+            "calibrated model in that traffic's runs (median, range).", "",
+            markdown_table(["traffic", "side", "engines / model", "rows", *GOALS, "decided pairs ordered alike",
+                            "error goals met"], body), ""]

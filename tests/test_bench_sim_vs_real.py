@@ -474,3 +474,46 @@ def test_the_report_opens_with_each_side_against_the_goals_and_the_machines_spee
     assert "22% *" in together and together.endswith("| 1 of 1 | no |")
     assert "*" not in paired and paired.endswith("| 1 of 1 | yes |") and "an oracle" in paired
     assert "stepped 1.11 x the calibrated model" in goals and "the machine did not hold the speed" in goals
+
+
+def test_the_goals_are_split_by_traffic_where_a_run_has_several(tmp_path: Path) -> None:
+    """Poisson and bursts, two policies, two seeds. The simulator is 4% slow on every Poisson figure and 30% fast
+    on every bursty one: over all rows the medians sit between the two (a miss on TTFT p50), per traffic Poisson
+    meets every goal and bursts miss. The engines stepped 1.0 x the model under Poisson and 1.2 x under bursts."""
+    from bench.sim_vs_real_goals import goals_lines, median_errors, traffic_of
+
+    model = ReplicaModel(model_name="m", step_s=((1, 0.005), (16, 0.0125)), prefill_s_per_token=50e-6,
+                         frontend_s=0.0, max_num_seqs=32, max_num_batched_tokens=2048, chunked_prefill=True,
+                         prefix_caching=True, block_size=128, num_blocks=100, max_model_len=2048)
+    path = tmp_path / "replica.json"
+    path.write_text(model.to_json())
+
+    def at(side: str, arrival: str, seed: int, policy: str, scale: float, steps: float) -> dict[str, object]:
+        base = 25.0 if policy == "round_robin" else 30.0 + seed
+        figures = row(side, 0, base * scale, 5.0 * scale, policy)
+        return {**figures, **Run(side, "mix", arrival, 0.5, seed, policy).__dict__,
+                "engine": {"steps": steps, "tokens": 36000.0 * steps / 2000, "generated": 16000.0 * steps / 2000,
+                           "prompt": 20000.0 * steps / 2000, "span_s": 10.0}}
+
+    rows = []
+    for arrival, sim_scale, steps in (("poisson", 1.04, 2222), ("gamma", 0.7, 1852)):  # 1.0 and 1.2 x the model
+        for seed in (0, 1):
+            for policy in ("prefix_affinity", "round_robin"):
+                rows += [at("real", arrival, seed, policy, 1.0, steps), at("sim-together", arrival, seed, policy,
+                                                                           sim_scale, steps)]
+    pooled = summarize(rows)
+    assert traffic_of("mix/gamma/0.8") == "mix/gamma"
+    assert median_errors(pooled["real"], pooled["sim-together"], "mix/poisson")[0]["ttft_p50"] == pytest.approx(0.04)
+    assert median_errors(pooled["real"], pooled["sim-together"], "mix/gamma")[1] == 2
+    text = "\n".join(goals_lines([("sim-together", "together", rows, pooled)], rows, 2, str(path)))
+    overall, split = text.split("By traffic")
+    assert "| `sim-together` (together) | 4 | 17% * |" in overall and overall.count("| no |") == 1
+    poisson = next(line for line in split.splitlines() if line.startswith("| mix/poisson"))
+    gamma = next(line for line in split.splitlines() if line.startswith("| mix/gamma"))
+    assert poisson.startswith("| mix/poisson | `sim-together` | 1.00 (1.00-1.00) | 2 | 4% | 4% | 4% | 4% |")
+    assert poisson.endswith("| 1 of 1 | yes |") and "*" not in poisson
+    assert gamma.startswith("| mix/gamma | `sim-together` | 1.20 (1.20-1.20) | 2 | 30% * |")
+    assert gamma.endswith("| 1 of 1 | no |")
+    one = [r for r in rows if r["arrival"] == "poisson"]
+    assert "By traffic" not in "\n".join(goals_lines([("sim-together", "together", one, summarize(one))], one, 2,
+                                                     str(path)))
