@@ -10,7 +10,8 @@ counts the same. Per replica, over the run's span (first request sent to last on
   the client's sending to its last byte: `busy_s`). Runs without each request's replica and end fall back to the
   span x replicas / steps, which counts the time a replica idled between arrivals: on 2026-11-28's stored runs
   the span was 1.02-1.06 x the busy time at 80% and 95% load, 1.06 x at 50% under Poisson, 1.22 x at 50% under bursts;
-- **prompt tokens a step**.
+- **prompt tokens computed a step**: the steps' tokens less those sampled. Not `vllm:prompt_tokens`, which counts
+  whole prompts, their cached part included (2.5 x the prompt work on 2026-11-28's multi-turn chat).
 
 Beside the real side's figures, the replica model the simulated side was calibrated with, evaluated at the real
 engines' own batch and prompt tokens a step (`step(batch) + prefill x prompt tokens`, at the calibration's shorter
@@ -35,14 +36,17 @@ from .sim_vs_real_ranking import point_of
 
 
 def per_run(row: dict[str, Any], replicas: int) -> tuple[float, float, float] | None:
-    """(sampled a step, ms a step, prompt tokens a step) of one run, per replica; None without the counters."""
+    """(sampled a step, ms a step, prompt tokens computed a step) of one run, per replica; None without the
+    counters. Prompt tokens computed: the steps' tokens less those sampled (vLLM's iteration tokens are the
+    prompt tokens computed plus the tokens sampled), not `vllm:prompt_tokens`, which counts whole prompts, the part
+    found in the prefix cache included: on multi-turn chat, 2.5 x the prompt work."""
     engine = row.get("engine")
     if not engine or not engine["steps"] or not math.isfinite(engine["span_s"]):
         return None
     steps = engine["steps"]
     busy = busy_s(row)
     spent = busy if busy is not None else engine["span_s"] * replicas
-    return engine["generated"] / steps, 1000 * spent / steps, engine["prompt"] / steps
+    return engine["generated"] / steps, 1000 * spent / steps, (engine["tokens"] - engine["generated"]) / steps
 
 
 def busy_s(row: dict[str, Any]) -> float | None:
@@ -119,14 +123,14 @@ def steps_lines(rows: Sequence[dict[str, Any]], replicas: int, sim_side: str,
             row += [f"{at_real:.2f}", f"{at_real / rms - 1:+.0%}"]
         body.append(row)
     head = ["point", "runs", "sampled a step, real", "sim", "ms a step, real", "sim", "sim / real - 1",
-            "prompt tokens a step, real", "sim"]
+            "prompt tokens computed a step, real", "sim"]
     if model:
         head += ["replica model at the real batch, ms", "model / real - 1"]
     return [f"## The engines' own steps (`{sim_side}`)", "",
             "From vLLM's counters (`vllm:iteration_tokens_total`, generated and prompt tokens), per replica, medians "
             "over the runs of a point: the engines' mean batch (tokens sampled a step), the mean step (the replicas' "
             "time with a request in flight / steps; runs recorded without each request's replica: the run's span x "
-            "replicas / steps) and prompt tokens a step"
+            "replicas / steps) and prompt tokens computed a step (the steps' tokens less those sampled)"
             + (", and the calibrated replica model evaluated at the real engines' batch and prompt tokens a step, "
                "at each run's mean decoding context (runs before 2026-11-26's seventh session: at the short "
                "profile's)" if model else "") + ".", "", markdown_table(head, body), ""]

@@ -150,7 +150,11 @@ class Engine:
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached blocks nobody holds, oldest first
         # Counters (vLLM's metrics read these).
         self.num_preemptions = 0
-        self.prompt_tokens_total = 0
+        self.prompt_tokens_total = 0  # prompt tokens computed: prefill chunks, recomputation after preemption too
+        # Whole prompts, counted at each request's first token, and the part found in the prefix cache: what vLLM
+        # counts as vllm:prompt_tokens and vllm:prompt_tokens_cached (cached tokens included in the first).
+        self.prompt_tokens_received = 0
+        self.prompt_tokens_cached = 0
         self.generation_tokens_total = 0
         self.finished_total = 0
         self.steps_total = 0
@@ -447,6 +451,8 @@ class Engine:
             first = req.first_token_at is None
             if first:
                 req.first_token_at = now
+                self.prompt_tokens_received += req.prompt_tokens
+                self.prompt_tokens_cached += min(req.cached_tokens, req.prompt_tokens)
             if req.generated >= req.max_tokens:
                 self._free(req, _blocks(req.target, self._bs), req.target)
                 self._end(req, FINISHED, now, first_token=first)

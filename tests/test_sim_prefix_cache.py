@@ -53,6 +53,10 @@ def test_a_repeated_prompt_hits_all_but_its_last_block_and_prefills_faster(chunk
     warm = ttft(clock, eng, warm_req)
     assert warm_req.cached_tokens == 99 * 16
     assert eng.prefix_cache_queries == 3200 and eng.prefix_cache_hits == 99 * 16
+    # as vLLM counts them: vllm:prompt_tokens the whole prompts, vllm:prompt_tokens_cached the part found cached;
+    # the tokens computed (prefill chunks) are the rest
+    assert eng.prompt_tokens_received == 3200 and eng.prompt_tokens_cached == 99 * 16
+    assert eng.prompt_tokens_total == 3200 - 99 * 16
     assert warm < cold / 2
     assert eng.used_blocks == 0
 
