@@ -38,6 +38,7 @@ logger = logging.getLogger(__name__)
 
 BYTES_PER_TOKEN = 4
 TOKEN_TEXT = " tok"  # 4 bytes: a client re-estimating tokens from text gets the count back
+TOKEN_TEXTS = (TOKEN_TEXT, " the", " a", " and", " x")  # with a tokenizer: the first it encodes as one token each
 _EOS_SIGMA = 0.8
 
 
@@ -60,6 +61,17 @@ class HFCoder:
         return list(self._tok.encode(text, add_special_tokens=False).ids)
 
 
+def token_text(coder: Coder | None) -> str:
+    """The text of one generated token. With the served model's tokenizer: a word it encodes as one token however
+    often it repeats, so a reply sent back in a chat's history counts as many prompt tokens as were generated (OPT's
+    tokenizer makes " tok" two: 'Ġto', 'k'). Without one: `TOKEN_TEXT`, a token by the 4-byte estimate."""
+    if coder is not None:
+        for text in TOKEN_TEXTS:
+            if len(coder.ids(text * 8)) == 8:
+                return text
+    return TOKEN_TEXT
+
+
 class BadRequest(Exception):
     """A client mistake: answered 400 (or `status`) with an OpenAI-style error body."""
 
@@ -78,6 +90,7 @@ class ReplicaState:
     rng: random.Random = field(default_factory=random.Random)
     created: int = field(default_factory=lambda: int(time.time()))
     coder: Coder | None = None  # the served model's tokenizer: exact prompt tokens and token-id blocks
+    token_text: str = TOKEN_TEXT  # what one generated token reads as (`token_text(coder)`)
     frontend: FrontEnd | None = None  # the API server's queue before the engine sees a request
     eos_mu: float = math.log(REFERENCE_OUTPUT_MEAN) - _EOS_SIGMA**2 / 2
     requests_total: dict[str, int] = field(default_factory=dict)
@@ -361,7 +374,7 @@ async def _stream(request: web.Request, state: ReplicaState, parsed: Parsed, cho
                 c.pending -= n
                 written[c.index] += n
                 last = c.done and not c.pending and written[c.index] >= c.req.generated
-                chunk = {**head, "choices": [_chunk_choice(parsed.kind, c.index, TOKEN_TEXT * n,
+                chunk = {**head, "choices": [_chunk_choice(parsed.kind, c.index, state.token_text * n,
                                                            c.finish_reason if last else None)]}
                 out.append(b"data: " + json.dumps(chunk).encode() + b"\n\n")
         if out:
@@ -381,7 +394,7 @@ async def _stream(request: web.Request, state: ReplicaState, parsed: Parsed, cho
 def _full_response(state: ReplicaState, parsed: Parsed, choices: list[_Choice]) -> web.Response:
     results = []
     for c in choices:
-        text = TOKEN_TEXT * c.req.generated
+        text = state.token_text * c.req.generated
         if parsed.kind == "chat":
             results.append({"index": c.index, "message": {"role": "assistant", "content": text},
                             "logprobs": None, "finish_reason": c.finish_reason})
@@ -496,7 +509,8 @@ def make_app(engine: Engine, model_name: str, seed: int | None = None, coder: Co
     and per streamed chunk, `FrontEnd.of` the engine: on its core where the engine's step is)."""
     app = web.Application()
     frontend = FrontEnd.of(engine, frontend_s, stream_s) if frontend_s or stream_s else None
-    app[STATE] = ReplicaState(engine, model_name, random.Random(seed), coder=coder, frontend=frontend)
+    app[STATE] = ReplicaState(engine, model_name, random.Random(seed), coder=coder, frontend=frontend,
+                              token_text=token_text(coder))
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat)
     app.router.add_get("/v1/models", models)

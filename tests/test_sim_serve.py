@@ -266,3 +266,22 @@ async def test_a_measured_replica_runs_at_the_speed_it_is_set_to(aiohttp_server:
     assert isinstance(scaled, MeasuredStepTime) and isinstance(unscaled, MeasuredStepTime)
     assert scaled.scale == 3.0 and unscaled.scale == 1.0
     assert 2.2 * base < slow < 4 * base and other < 1.6 * base, (base, slow, other)
+
+
+async def test_a_reply_sent_back_in_a_chat_counts_the_tokens_it_was(aiohttp_server: Any) -> None:
+    """With the served model's tokenizer (the tiny OPT one), a generated token reads as a word that tokenizer encodes
+    as one token however often it repeats, so a chat history that carries a reply back is not counted longer than
+    the real replica would count it (" tok" was two tokens each: 'Ġto', 'k'). Without a tokenizer, " tok"."""
+    from deploy.tinymodel import ensure_tiny_model
+    from sim.server import HFCoder, token_text
+
+    coder = HFCoder(str(ensure_tiny_model()))
+    word = token_text(coder)
+    assert len(coder.ids(word * 64)) == 64 and len(coder.ids(" tok" * 64)) == 128
+    assert token_text(None) == " tok"
+    node = Node(NodeSpec(load_model("opt-125m"), get_gpu("H100-80GB"), 1), LoopClock(asyncio.get_running_loop()))
+    server: TestServer = await aiohttp_server(make_app(node.engines[0], NAME, seed=0, coder=coder))
+    async with openai.AsyncOpenAI(base_url=str(server.make_url("/v1")), api_key="none") as client:
+        reply = await client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}],
+                                                     max_tokens=16, extra_body={"ignore_eos": True})
+        assert reply.choices[0].message.content == word * 16 and len(coder.ids(word * 16)) == 16
