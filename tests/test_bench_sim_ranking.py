@@ -31,7 +31,8 @@ def test_the_schedules_are_the_load_generators_seeded_mix() -> None:
 
 def test_capacity_in_virtual_time_matches_the_real_time_harness() -> None:
     """bench.sim_vs_real measured this model's capacity through `sim serve`, the real gateway and the load
-    generator in real time (docs/bench/sim_vs_real.md: mix 12.06, sharegpt 12.14 requests/s)."""
+    generator in real time (docs/bench/sim_vs_real_first_2026-11-25.md: mix 12.06,
+    sharegpt 12.14 requests/s)."""
     spec = MeasuredSpec(ReplicaModel.load(str(MODEL)), 2)
     assert closed_loop_capacity(spec, "mix") == pytest.approx(12.06, rel=0.05)
     assert closed_loop_capacity(spec, "sharegpt") == pytest.approx(12.14, rel=0.05)
