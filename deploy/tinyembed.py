@@ -37,7 +37,7 @@ def _make(path: Path, seed: int) -> None:
                         num_attention_heads=HEADS, intermediate_size=FFN, max_position_embeddings=MAX_POSITIONS,
                         type_vocab_size=2, pad_token_id=tokenizer.pad_token_id, dtype="float32")
     torch.manual_seed(seed)
-    model = BertModel(config, add_pooling_layer=False)  # type: ignore[no-untyped-call]
+    model = BertModel(config, add_pooling_layer=False)
     model.save_pretrained(path)
     tokenizer.model_max_length = MAX_POSITIONS
     tokenizer.save_pretrained(path)

@@ -93,7 +93,7 @@ def _make(path: Path, seed: int) -> None:
     numbers = [" ".join(str(n) for n in range(k, k + 40)) for k in range(0, 2000, 40)]
     bpe.train_from_iterator(_CORPUS * 4 + numbers, vocab_size=VOCAB_SIZE, min_frequency=1,
                             special_tokens=SPECIAL_TOKENS)
-    tokenizer = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
+    tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=bpe._tokenizer, bos_token="</s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>",
         model_max_length=MAX_POSITIONS)
     tokenizer.chat_template = CHAT_TEMPLATE
@@ -103,6 +103,6 @@ def _make(path: Path, seed: int) -> None:
                        pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
                        eos_token_id=tokenizer.eos_token_id, dtype="float32")
     torch.manual_seed(seed)
-    model = OPTForCausalLM(config)  # type: ignore[no-untyped-call]
+    model = OPTForCausalLM(config)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
