@@ -15,6 +15,11 @@ from bench.sim_vs_real_ranking import ranking_lines, verdict_lines
 from bench.sim_vs_real_steps import busy_s, decoding_context, per_run, speedometer_lines, steps_lines
 from sim.measured import ReplicaModel
 
+# The replica model most tests here evaluate: 5 ms a step at B = 1, 12.5 at B = 16, 50 us a prompt token.
+MODEL = ReplicaModel(model_name="m", step_s=((1, 0.005), (16, 0.0125)), prefill_s_per_token=50e-6, frontend_s=0.0,
+                     max_num_seqs=32, max_num_batched_tokens=2048, chunked_prefill=True, prefix_caching=True,
+                     block_size=128, num_blocks=100, max_model_len=2048)
+
 
 def setup(repeats: int) -> Setup:
     return Setup(replicas=2, seeds=2, duration=15.0, loads=(0.5, 0.8), workloads=("mix",), arrivals=("poisson",),
@@ -173,9 +178,7 @@ def test_the_engines_steps_are_set_side_by_side_and_against_the_replica_model(tm
     tokens a step; 2,500 simulated steps are 8 ms. The replica model at the real batch: step(8) = 5 + 7.5 x 7/15 =
     8.5 ms, plus 10 prompt tokens at 50 us = 9.0 ms, 10% under the real step. Runs without the counters (before
     they were recorded) are left out."""
-    model = ReplicaModel(model_name="m", step_s=((1, 0.005), (16, 0.0125)), prefill_s_per_token=50e-6,
-                         frontend_s=0.0, max_num_seqs=32, max_num_batched_tokens=2048, chunked_prefill=True,
-                         prefix_caching=True, block_size=128, num_blocks=100, max_model_len=2048)
+    model = MODEL
     path = tmp_path / "replica.json"
     path.write_text(model.to_json())
     rows = [_stepped("real", 2000, 16000, 20000), _stepped("real", 2000, 16000, 20000),
@@ -210,9 +213,7 @@ def test_the_speedometer_is_held_against_the_engines_own_speed(tmp_path: Path) -
     calibration reading would take the miss to 0%; one that read them the other way round makes it 25%. Simulated
     runs, chat runs and runs without a reading do not count; without the model or the calibration's reading, or
     with fewer than three runs, there is no section."""
-    model = ReplicaModel(model_name="m", step_s=((1, 0.005), (16, 0.0125)), prefill_s_per_token=50e-6,
-                         frontend_s=0.0, max_num_seqs=32, max_num_batched_tokens=2048, chunked_prefill=True,
-                         prefix_caching=True, block_size=128, num_blocks=100, max_model_len=2048)
+    model = MODEL
     path = tmp_path / "replica.json"
     path.write_text(model.to_json())
     steps = (2000, 1800, 1500)
@@ -289,9 +290,7 @@ def test_each_rounds_model_alone_is_set_beside_the_fitted_one_at_the_real_batch(
 
     from bench.sim_vs_real_rounds import models_lines
 
-    model = ReplicaModel(model_name="m", step_s=((1, 0.005), (16, 0.0125)), prefill_s_per_token=50e-6,
-                         frontend_s=0.0, max_num_seqs=32, max_num_batched_tokens=2048, chunked_prefill=True,
-                         prefix_caching=True, block_size=128, num_blocks=100, max_model_len=2048)
+    model = MODEL
     slow = replaced(model, step_s=tuple((b, 1.2 * s) for b, s in model.step_s))
     for name, m in (("fitted", model), ("r0", model), ("r1", slow)):
         (tmp_path / f"{name}.json").write_text(m.to_json())
@@ -319,9 +318,7 @@ def test_the_matched_side_is_scaled_to_the_seed_0_runs_and_runs_only_the_others(
     from bench.sim_vs_real import MATCHED, main
     from bench.sim_vs_real_steps import matched_scale, warmup_scale
 
-    model = ReplicaModel(model_name="m", step_s=((1, 0.005), (16, 0.0125)), prefill_s_per_token=50e-6,
-                         frontend_s=0.0, max_num_seqs=32, max_num_batched_tokens=2048, chunked_prefill=True,
-                         prefix_caching=True, block_size=128, num_blocks=100, max_model_len=2048)
+    model = MODEL
     path = tmp_path / "replica.json"
     path.write_text(model.to_json())
     slow, even = _stepped("real", 2000, 16000, 20000), _stepped("real", 2000 * 10 / 9, 16000 * 10 / 9, 20000 * 10 / 9)
@@ -368,9 +365,7 @@ def test_the_paired_side_runs_each_run_at_its_real_twins_own_step_speed(
     from bench.sim_vs_real import PAIRED, main
     from bench.sim_vs_real_steps import run_scale
 
-    model = ReplicaModel(model_name="m", step_s=((1, 0.005), (16, 0.0125)), prefill_s_per_token=50e-6,
-                         frontend_s=0.0, max_num_seqs=32, max_num_batched_tokens=2048, chunked_prefill=True,
-                         prefix_caching=True, block_size=128, num_blocks=100, max_model_len=2048)
+    model = MODEL
     path = tmp_path / "replica.json"
     path.write_text(model.to_json())
     assert run_scale(_stepped("real", 2000, 16000, 20000), 2, str(path)) == pytest.approx(10 / 9)
@@ -442,9 +437,7 @@ def test_the_report_opens_with_each_side_against_the_goals_and_the_machines_spee
     from bench.sim_vs_real import PAIRED
     from bench.sim_vs_real_goals import GOALS, median_errors, speed_ratios
 
-    model = ReplicaModel(model_name="m", step_s=((1, 0.005), (16, 0.0125)), prefill_s_per_token=50e-6,
-                         frontend_s=0.0, max_num_seqs=32, max_num_batched_tokens=2048, chunked_prefill=True,
-                         prefix_caching=True, block_size=128, num_blocks=100, max_model_len=2048)
+    model = MODEL
     path = tmp_path / "replica.json"
     path.write_text(model.to_json())
 
@@ -482,9 +475,7 @@ def test_the_goals_are_split_by_traffic_where_a_run_has_several(tmp_path: Path) 
     meets every goal and bursts miss. The engines stepped 1.0 x the model under Poisson and 1.2 x under bursts."""
     from bench.sim_vs_real_goals import goals_lines, median_errors, traffic_of
 
-    model = ReplicaModel(model_name="m", step_s=((1, 0.005), (16, 0.0125)), prefill_s_per_token=50e-6,
-                         frontend_s=0.0, max_num_seqs=32, max_num_batched_tokens=2048, chunked_prefill=True,
-                         prefix_caching=True, block_size=128, num_blocks=100, max_model_len=2048)
+    model = MODEL
     path = tmp_path / "replica.json"
     path.write_text(model.to_json())
 
@@ -525,9 +516,7 @@ def test_prompt_tokens_a_step_are_those_computed_not_the_whole_prompts_vllm_coun
     those, 2.5 x fewer: at 60 tokens a step it gives 3 ms less than at 150 (50 us a token)."""
     from bench.sim_vs_real_steps import step_ratio
 
-    model = ReplicaModel(model_name="m", step_s=((1, 0.005), (16, 0.0125)), prefill_s_per_token=50e-6,
-                         frontend_s=0.0, max_num_seqs=32, max_num_batched_tokens=2048, chunked_prefill=True,
-                         prefix_caching=True, block_size=128, num_blocks=100, max_model_len=2048)
+    model = MODEL
     chat = {"side": "real", "workload": "chat", "arrival": "poisson", "load": 1.5, "policy": "prefix_affinity",
             "seed": 0, "engine": {"steps": 1000.0, "tokens": 61658.0 + 3000.0, "generated": 3000.0,
                                   "prompt": 152026.0, "span_s": 5.0}}
