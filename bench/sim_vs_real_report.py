@@ -17,7 +17,7 @@ from deploy.process import REPLICA_NICE
 
 from .common import markdown_table, pyplot
 from .sim_vs_real_calibration import profile_dir, profiled, round_models
-from .sim_vs_real_goals import goals_lines
+from .sim_vs_real_goals import GOALS, goals_lines
 from .sim_vs_real_inflight import inflight_lines
 from .sim_vs_real_ranking import point_of, ranking_lines, verdict_lines
 from .sim_vs_real_rounds import models_lines, rounds_lines
@@ -315,26 +315,46 @@ def cpu_table(rows: Sequence[dict[str, Any]]) -> list[str]:
     return lines
 
 
-def plot(table: dict[str, dict[str, Any]], paths: Sequence[Path]) -> None:
-    """Each point and policy, real against the first simulated side the run has."""
+PLOTTED = ("ttft_p50", "ttft_p99", "tpot_p50", "e2e_p50")  # the goals' figures, a column each
+
+
+def plot(table: dict[str, dict[str, Any]], paths: Sequence[Path]) -> list[str]:
+    """Each single-turn point and policy, real against each simulated side the run has (a row each; the goals'
+    band shaded about the diagonal, the median error in the title). Returns the sides drawn, top to bottom."""
+    real = table.get("real", {})
+    sides = [n for n in (*CALIBRATIONS.values(), FOLLOWED, PAIRED) if n in table
+             and any(not p.startswith("chat") and p in table[n] for p in real)]
+    if not sides:
+        return []
     plt = pyplot()
-    name = next((n for n in CALIBRATIONS.values() if n in table), "")
-    sim = table.get(name, {})
-    points = [p for p in table.get("real", {}) if not p.startswith("chat") and p in sim]
-    if not points:
-        return
-    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
-    for ax, metric in zip(axes, ("ttft_p50", "ttft_p99")):
-        for i, policy in enumerate(POLICIES):
-            both = [p for p in points if policy in table["real"][p] and policy in sim[p]]
-            xs = [table["real"][p][policy][metric] for p in both]
-            ys = [sim[p][policy][metric] for p in both]
-            ax.scatter(xs, ys, label=policy, s=18)
-        lim = max(ax.get_xlim()[1], ax.get_ylim()[1])
-        ax.plot([0, lim], [0, lim], "k--", lw=0.8)
-        ax.set(xlabel=f"real vLLM-CPU {metric} (ms)", ylabel=f"{name} {metric} (ms)", xscale="log", yscale="log")
-        ax.legend(fontsize=7)
-    fig.suptitle("Same schedules through the same gateway: simulator vs real (each dot a point and policy)")
+    fig, grid = plt.subplots(len(sides), len(PLOTTED), figsize=(4.2 * len(PLOTTED), 3.8 * len(sides)), squeeze=False)
+    for axes, name in zip(grid, sides):
+        sim = table[name]
+        points = [p for p in real if not p.startswith("chat") and p in sim]
+        for ax, metric in zip(axes, PLOTTED):
+            pairs = [(real[p][policy][metric], sim[p][policy][metric], policy, p.split("/")[1])
+                     for p in points for policy in POLICIES if policy in real[p] and policy in sim[p]]
+            for policy in POLICIES:
+                for arrival, marker in (("poisson", "o"), ("gamma", "^")):
+                    mine = [(x, y) for x, y, q, a in pairs if q == policy and a == arrival]
+                    if mine:
+                        ax.scatter(*zip(*mine), s=18, marker=marker, zorder=3, color=f"C{POLICIES.index(policy)}",
+                                   label=f"{policy}, {'bursts' if arrival == 'gamma' else arrival}")
+            xs = np.array([x for x, *_ in pairs] + [y for _, y, *_ in pairs])
+            line = np.geomspace(xs.min() / 1.3, xs.max() * 1.3, 50)
+            goal = GOALS[metric]
+            ax.fill_between(line, line * (1 - goal), line * (1 + goal), color="0.88", lw=0, zorder=0,
+                            label=f"within {goal:.0%}")
+            ax.plot(line, line, "k--", lw=0.8, zorder=1)
+            error = float(np.median([abs(y / x - 1) for x, y, *_ in pairs]))
+            ax.set(xlabel=f"real vLLM-CPU {metric} (ms)", ylabel=f"{name} {metric} (ms)", xscale="log",
+                   yscale="log", title=f"{name}: median error {error:.0%}" + (" (missed)" if error > goal else ""))
+            ax.tick_params(which="minor", labelsize=6)
+    grid[0][0].legend(fontsize=6)
+    fig.suptitle("Same schedules through the same gateway: each simulated side against the real one "
+                 "(a dot per point and policy, pooled over seeds)")
     fig.tight_layout()
     for path in paths:
-        fig.savefig(path, dpi=110)
+        fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return sides

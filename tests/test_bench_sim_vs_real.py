@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from bench.sim_vs_real import Setup
-from bench.sim_vs_real_report import REPEAT, Run, done_runs, repeatability, report, summarize
+from bench.sim_vs_real_report import REPEAT, Run, done_runs, plot, repeatability, report, summarize
 from bench.sim_vs_real_inflight import inflight_lines
 from bench.sim_vs_real_ranking import ranking_lines, verdict_lines
 from bench.sim_vs_real_steps import busy_s, decoding_context, per_run, speedometer_lines, steps_lines
@@ -524,3 +524,16 @@ def test_prompt_tokens_a_step_are_those_computed_not_the_whole_prompts_vllm_coun
     assert (sampled, ms, prompt) == (3.0, 10.0, pytest.approx(61.658))
     at_computed = 5.0 + 7.5 * 2 / 15 + 0.05 * 61.658  # step(3) + prefill of the tokens computed, ms
     assert step_ratio(chat, 2, model) == pytest.approx(10.0 / at_computed)
+
+
+def test_the_figure_draws_each_simulated_side_against_the_real_one(tmp_path: Path) -> None:
+    """A row per simulated side the run has (`real-repeat` and chat points are not drawn); none: no figure."""
+    from bench.sim_vs_real import PAIRED
+
+    rows = [row("real", 0, 30.0, 5.0), row("real", 0, 25.0, 5.0, "round_robin"), row(REPEAT, 1, 20.0, 6.0),
+            row(PAIRED, 0, 31.0, 5.1), row(PAIRED, 0, 25.5, 5.1, "round_robin"),
+            row("sim-together", 0, 24.0, 5.2), row("sim-together", 0, 20.0, 5.2, "round_robin")]
+    paths = [tmp_path / "a.png", tmp_path / "b.png"]
+    assert plot(summarize(rows), paths) == ["sim-together", PAIRED]
+    assert all(p.stat().st_size > 20_000 for p in paths)
+    assert plot(summarize(rows[:3]), [tmp_path / "none.png"]) == [] and not (tmp_path / "none.png").exists()
