@@ -83,6 +83,9 @@ def _parser() -> argparse.ArgumentParser:
     cal.add_argument("--frontend-on-core", action="store_true", help="the profiled replica's API server shared "
                      "its engine's core (a CPU replica confined to one core, as `deploy up` runs one): the "
                      "simulated replica's steps stand still while a request passes its front end")
+    cal.add_argument("--prefill-cost", metavar="FILE", help="`python -m bench.prefill_cost --out FILE` of the same "
+                     "replica: what a prefill's attention costs per (query, key) pair, so a prompt's uncached end "
+                     "costs more after a long cached context")
     run = sub.add_parser("run", help="a large experiment in virtual time: Poisson arrivals, gateway routing")
     _add_node_flags(run)
     run.add_argument("--requests", type=int, default=100_000)
@@ -186,7 +189,8 @@ def _calibrate_profile(args: argparse.Namespace) -> None:
     given = EngineFacts(args.max_num_seqs, args.max_num_batched_tokens, args.chunked_prefill, args.prefix_caching,
                         args.max_model_len, args.tokenizer, args.served_model_name)
     try:
-        model, rows = calibrate(args.profile[0], given, extra=args.profile[1:], frontend_on_core=args.frontend_on_core)
+        model, rows = calibrate(args.profile[0], given, extra=args.profile[1:], frontend_on_core=args.frontend_on_core,
+                                prefill_cost=args.prefill_cost)
     except CalibrationError as exc:
         raise UsageError(str(exc)) from None
     Path(args.out).write_text(model.to_json(), encoding="utf-8")

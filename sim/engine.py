@@ -260,18 +260,18 @@ class Engine:
 
     def _device_s(self) -> float:
         tokens = sampled = 0
-        kv_read = attn = 0.0
+        kv_read = attn = decode_kv = 0.0
         if self._decode:
-            length = self._len_base + self._n_dec * self._steps
+            decode_kv = self._len_base + self._n_dec * self._steps
             tokens = sampled = self._n_dec
-            kv_read = attn = length
+            kv_read = attn = decode_kv
         for req, done, chunk in self._chunks:
             tokens += chunk
             kv_read += done
             attn += ((done + chunk) ** 2 - done * done) / 2
             sampled += done + chunk == req.target
         self.iteration_tokens_total += tokens  # the step's tokens, counted once: here, where they are summed
-        return self.steptime.device_s(tokens, sampled, kv_read, attn)
+        return self.steptime.device_s(tokens, sampled, kv_read, attn, decode_kv)
 
     def _launch(self, device_s: float) -> None:
         self.device.submit(device_s, self._complete)

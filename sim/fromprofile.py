@@ -24,6 +24,7 @@ Nothing is defaulted silently: what neither the profile nor the command line giv
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
 from collections.abc import Sequence
@@ -321,14 +322,35 @@ def _grouped(profiles: Sequence[Profile]) -> list[Profile]:
     return [median_of_rounds(group) for group in groups.values()]
 
 
+def prefill_pair_cost(path: str | Path) -> float:
+    """The seconds per (query, key) pair of a prefill's attention that `bench.prefill_cost` measured (its JSON)."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise CalibrationError(f"cannot read the prefill cost {str(path)!r}: {exc.strerror}") from None
+    except json.JSONDecodeError as exc:
+        raise CalibrationError(f"{str(path)!r} is not JSON: {exc}") from None
+    value = data.get("fit", {}).get("per_pair_s") if isinstance(data, dict) else None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise CalibrationError(f"{str(path)!r} has no fit.per_pair_s (write it with `python -m bench.prefill_cost "
+                               f"--out`)")
+    if value < 0:
+        raise CalibrationError(f"{str(path)!r}: fit.per_pair_s is {value:g}; a prefill cannot get cheaper with the "
+                               f"context it attends to, so its readings are noise: measure it again")
+    return float(value)
+
+
 def calibrate(profile_dir: str | Path, given: EngineFacts = EngineFacts(), iters: int = 40,
-              extra: Sequence[str | Path] = (), frontend_on_core: bool = False) -> tuple[ReplicaModel, list[PointFit]]:
+              extra: Sequence[str | Path] = (), frontend_on_core: bool = False,
+              prefill_cost: str | Path | None = None) -> tuple[ReplicaModel, list[PointFit]]:
     """The fitted replica model and its point-by-point comparison with the profile(s).
 
     `extra`: more profiles of the same replica. One with the first's workload is another round of it (see
     `median_of_rounds`); one with longer requests (and its own rounds) has its steps (one per batch size) fitted
     too, and makes a step grow with the decoding sequences' context. `frontend_on_core`: the profiled replica's
-    API server shared its engine's core (a CPU replica on one core); the fit replays the sweep so.
+    API server shared its engine's core (a CPU replica on one core); the fit replays the sweep so. `prefill_cost`:
+    `bench.prefill_cost`'s JSON for that replica, whose cost per (query, key) pair of a prefill's attention the
+    model takes as measured (the fit then prices the profiles' prompts with it, and fits the rest per token).
     """
     groups = _grouped([_load(path, given) for path in (profile_dir, *extra)])
     if len(groups) > 2:
@@ -336,6 +358,9 @@ def calibrate(profile_dir: str | Path, given: EngineFacts = EngineFacts(), iters
                                "ones (several profiles of one workload are rounds)")
     profile = groups[0]
     start = replace(initial_model(profile, facts_from_profile(profile, given)), frontend_on_core=frontend_on_core)
+    if prefill_cost is not None:
+        start = replace(start, prefill_s_per_pair=prefill_pair_cost(prefill_cost),
+                        source={**start.source, "prefill_s_per_pair": f"measured: {prefill_cost} (bench.prefill_cost)"})
     profiles = [profile]
     if len(groups) == 2:
         long = groups[1]
@@ -372,7 +397,9 @@ def format_fit(model: ReplicaModel, rows: Sequence[PointFit]) -> str:
         lines.append(f"step(B) at {model.long_context:.0f} tokens: " +
                      ", ".join(f"{b}: {s * 1e3:.2f} ms" for b, s in model.long_step_s))
     lines += [
-             f"prefill: {model.prefill_s_per_token * 1e6:.1f} us/token ({model.prefill_tokens_s:,.0f} tokens/s); "
+             f"prefill: {model.prefill_s_per_token * 1e6:.1f} us/token ({model.prefill_tokens_s:,.0f} tokens/s)"
+             + (f" + {model.prefill_s_per_pair * 1e9:.1f} ns a (query, key) pair of its attention"
+                if model.prefill_s_per_pair else "") + "; "
              f"front end: {model.frontend_s * 1e3:.1f} ms a request{where}, {model.stream_s * 1e6:.0f} us a "
              "streamed chunk",
              f"max_num_seqs {model.max_num_seqs}, max_num_batched_tokens {model.max_num_batched_tokens}, "

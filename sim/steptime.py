@@ -59,7 +59,8 @@ class StepTime(Protocol):
 
     def host_s(self, seqs: int) -> float: ...
 
-    def device_s(self, new_tokens: int, sampled: int, kv_read: float, attn_pairs: float) -> float: ...
+    def device_s(self, new_tokens: int, sampled: int, kv_read: float, attn_pairs: float,
+                 decode_kv: float | None = None) -> float: ...
 
 
 class StepTimeModel:
@@ -79,11 +80,13 @@ class StepTimeModel:
         self._host_step = cost.host_step_s
         self._host_seq = cost.host_per_seq_s
 
-    def device_s(self, new_tokens: int, sampled: int, kv_read: float, attn_pairs: float) -> float:
+    def device_s(self, new_tokens: int, sampled: int, kv_read: float, attn_pairs: float,
+                 decode_kv: float | None = None) -> float:
         """Device seconds for a pass over `new_tokens` tokens, sampling `sampled` sequences.
 
         `kv_read`: tokens of KV cache read; `attn_pairs`: sum over new tokens of the context each attends to
-        (for a decode step both are the sum of the sequences' lengths).
+        (for a decode step both are the sum of the sequences' lengths); `decode_kv`: the part of both that is the
+        decoding sequences' (the roofline needs only the sums).
         """
         memory = self._weights_s + self._kv_s * (kv_read + new_tokens)
         compute = self._tok_flop_s * new_tokens + self._sample_flop_s * sampled + self._attn_flop_s * attn_pairs

@@ -27,9 +27,10 @@ class RecordingSteps(StepTimeModel):
         super().__init__(MODEL, GPU)
         self.tokens: list[int] = []
 
-    def device_s(self, new_tokens: int, sampled: int, kv_read: float, attn_pairs: float) -> float:
+    def device_s(self, new_tokens: int, sampled: int, kv_read: float, attn_pairs: float,
+                 decode_kv: float | None = None) -> float:
         self.tokens.append(new_tokens)
-        return super().device_s(new_tokens, sampled, kv_read, attn_pairs)
+        return super().device_s(new_tokens, sampled, kv_read, attn_pairs, decode_kv)
 
 
 def engine(blocks: int = 10_000, chunked: bool = False, **limits: int) -> tuple[VirtualClock, Engine, RecordingSteps]:
