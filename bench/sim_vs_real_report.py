@@ -16,7 +16,7 @@ import numpy as np
 from deploy.process import REPLICA_NICE
 
 from .common import markdown_table, pyplot
-from .sim_vs_real_calibration import profile_dir, profiled, round_models
+from .sim_vs_real_calibration import PREFILL_COST, profile_dir, profiled, round_models
 from .sim_vs_real_goals import GOALS, goals_lines
 from .sim_vs_real_inflight import inflight_lines
 from .sim_vs_real_ranking import point_of, ranking_lines, verdict_lines
@@ -210,6 +210,7 @@ def report(out: Path, meta: dict[str, Any]) -> str:
                                        for name in meta["profiles"]], what.split(" ")[0])
                 lines += models_lines(rows, int(meta["replicas"]), meta[key.replace("calibration", "replica_model")],
                                       round_models(out, meta, suffix))
+    lines += prefill_cost_lines(out / PREFILL_COST)
     lines += repeatability(rows)
     lines += speedometer_lines(rows, int(meta.get("replicas", 2)), meta.get("replica_model_together"),
                                meta.get("speed_us_together"))
@@ -292,6 +293,23 @@ def report(out: Path, meta: dict[str, Any]) -> str:
                               "replica", "TTFT p99", "seeds", "failed"], chat_rows), ""]
     lines += cpu_table(rows)
     return "\n".join(lines)
+
+
+def prefill_cost_lines(path: Path) -> list[str]:
+    """`bench.prefill_cost`'s readings on the first real replica, and the fit the calibration took its pair cost
+    from (nothing where the run did not measure it)."""
+    if not path.exists():
+        return []
+    data = json.loads(path.read_text())
+    fit = data["fit"]
+    body = [[r["cached"], r["new"], f"{r['prefill_ms']:.1f}", f"{e:+.0%}"]
+            for r, e in zip(data["readings"], fit["errors"])]
+    return ["## What a prefill costs by the context it attends to (`bench.prefill_cost`, the first real replica)", "",
+            "One request at a time on the idle replica: `cached` tokens it had just seen, then `new` ones; vLLM's "
+            "prefill time, the median of each cell's prompts. Fitted: "
+            f"{fit['base_s'] * 1e3:.1f} ms + {fit['per_token_s'] * 1e6:.0f} us a token + {fit['per_pair_s'] * 1e9:.0f} ns "
+            "a (query, key) pair of the new tokens' attention; the calibration takes the pair cost as measured.", "",
+            markdown_table(["cached", "new", "prefill ms", "fit / reading - 1"], body), ""]
 
 
 def cpu_table(rows: Sequence[dict[str, Any]]) -> list[str]:

@@ -73,10 +73,27 @@ def busy_s(row: dict[str, Any]) -> float | None:
     return total
 
 
-def model_ms(model: ReplicaModel, sampled: float, prompt: float, context: float | None = None) -> float:
+def model_ms(model: ReplicaModel, sampled: float, prompt: float, context: float | None = None,
+             pairs: float = 0.0) -> float:
     """The replica model's step at this (mean, fractional) batch and these prompt tokens, its decoding sequences
-    `context` tokens long on average (None: at the model's short profile's context)."""
-    return 1000 * (model.step(sampled, context) + model.prefill_s_per_token * prompt)
+    `context` tokens long on average (None: at the model's short profile's context), the prompt tokens' attention
+    computing `pairs` (query, key) pairs."""
+    return 1000 * (model.step(sampled, context) + model.prefill_s_per_token * prompt
+                   + model.prefill_s_per_pair * pairs)
+
+
+def pairs_a_step(row: dict[str, Any]) -> float:
+    """The (query, key) pairs a step's prompt tokens attended to, estimated from each request's prompt length and
+    the run's prefix-cache hit rate h: a prompt of p tokens, h x p of them cached, computes (1 - h) p tokens after
+    h p, so p^2 (1 - h^2) / 2 pairs. Exact without cache hits (single-turn traffic); on multi-turn chat, where each
+    turn adds about as many tokens whatever its history, 2026-11-28's chat came out about 10% high. 0 without each
+    request's prompt length (`firsts`) or vLLM's step counters."""
+    firsts, engine = row.get("firsts"), row.get("engine")
+    if not firsts or not engine or not engine["steps"]:
+        return 0.0
+    hit = row.get("hit_rate")
+    hit = hit if isinstance(hit, float) and math.isfinite(hit) else 0.0
+    return sum(f[2] ** 2 for f in firsts) * (1 - hit * hit) / 2 / engine["steps"]
 
 
 def decoding_context(records: Sequence[dict[str, Any]]) -> float | None:
@@ -98,13 +115,13 @@ def steps_lines(rows: Sequence[dict[str, Any]], replicas: int, sim_side: str,
     """The report's section: per point, each side's median engine batch, step and prompt tokens a step; the
     replica model at the real batch (`scaled`: times the scale the simulated twin of each real run ran at)."""
     scales = {_twin(r): float(r["scale"]) for r in rows if scaled and r["side"] == sim_side and "scale" in r}
-    cells: dict[tuple[str, str], list[tuple[float, float, float, float, float | None]]] = {}
+    cells: dict[tuple[str, str], list[tuple[float, float, float, float, float | None, float]]] = {}
     for r in rows:
         figures = per_run(r, replicas) if r["workload"] != "chat" and r["side"] in ("real", sim_side) else None
         if figures:
             scale = scales.get(_twin(r), math.nan) if scaled else 1.0
             cells.setdefault((point_of(r), r["side"]), []).append(
-                (*figures, scale, r.get("context")))
+                (*figures, scale, r.get("context"), pairs_a_step(r)))
     points = sorted({p for p, _ in cells})
     if not any((p, "real") in cells and (p, sim_side) in cells for p in points):
         return []
@@ -119,7 +136,7 @@ def steps_lines(rows: Sequence[dict[str, Any]], replicas: int, sim_side: str,
         row = [point, len(real), f"{rb:.1f}", f"{sb:.1f}", f"{rms:.2f}", f"{sms:.2f}", f"{sms / rms - 1:+.0%}",
                f"{rp:.1f}", f"{sp:.1f}"]
         if model:
-            at_real = float(np.median([scale * model_ms(model, b, p, c) for b, _, p, scale, c in real]))
+            at_real = float(np.median([scale * model_ms(model, b, p, c, n) for b, _, p, scale, c, n in real]))
             row += [f"{at_real:.2f}", f"{at_real / rms - 1:+.0%}"]
         body.append(row)
     head = ["point", "runs", "sampled a step, real", "sim", "ms a step, real", "sim", "sim / real - 1",
@@ -143,7 +160,7 @@ def step_ratio(row: dict[str, Any], replicas: int, model: ReplicaModel) -> float
     if not figures:
         return None
     sampled, ms, prompt = figures
-    return ms / model_ms(model, sampled, prompt, row.get("context"))
+    return ms / model_ms(model, sampled, prompt, row.get("context"), pairs_a_step(row))
 
 
 def run_scale(row: dict[str, Any], replicas: int, model_path: str) -> float:

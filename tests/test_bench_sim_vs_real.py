@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -537,3 +538,18 @@ def test_the_figure_draws_each_simulated_side_against_the_real_one(tmp_path: Pat
     assert plot(summarize(rows), paths) == ["sim-together", PAIRED]
     assert all(p.stat().st_size > 20_000 for p in paths)
     assert plot(summarize(rows[:3]), [tmp_path / "none.png"]) == [] and not (tmp_path / "none.png").exists()
+
+
+def test_pairs_a_step_are_estimated_from_the_prompts_and_the_hit_rate() -> None:
+    """Prompts of 128 and 1,024 tokens over 100 steps: (128^2 + 1024^2) / 2 / 100 pairs a step with no cache hit,
+    3/4 of that at a hit rate of 1/2 (each prompt half cached: p/2 computed after p/2); the model prices them."""
+    from bench.sim_vs_real_steps import model_ms, pairs_a_step
+
+    row = {"firsts": [[0.1, 0.04, 128, "r0"], [0.2, 0.05, 1024, "r1"]], "hit_rate": 0.0,
+           "engine": {"steps": 100.0}}
+    assert pairs_a_step(row) == pytest.approx((128**2 + 1024**2) / 2 / 100)
+    assert pairs_a_step({**row, "hit_rate": 0.5}) == pytest.approx(0.75 * pairs_a_step(row))
+    assert pairs_a_step({**row, "hit_rate": math.nan}) == pairs_a_step(row)
+    assert pairs_a_step({"engine": {"steps": 100.0}}) == 0.0 and pairs_a_step({**row, "engine": None}) == 0.0
+    priced = replace(MODEL, prefill_s_per_pair=100e-9)
+    assert model_ms(priced, 4, 10, None, 5000) - model_ms(MODEL, 4, 10) == pytest.approx(0.5)
