@@ -89,6 +89,8 @@ def _parser() -> argparse.ArgumentParser:
                          help="seconds a replica's requests may take to finish (default 300)")
     restart.add_argument("--startup-timeout", type=float, default=600.0,
                          help="seconds a restarted replica may take to get healthy (default 600)")
+    restart.add_argument("--replica", action="append", default=[], metavar="NAME",
+                         help="restart only this replica (repeat for several; default: every one)")
     tiny = sub.add_parser("tiny-model", help="make (once) the tiny offline model and print its directory")
     tiny.add_argument("--dir", type=Path, help="where (default ~/.cache/smallserve/models/tiny-opt)")
     tiny_lora = sub.add_parser("tiny-lora", help="make (once) LoRA adapters for the tiny model; print NAME=PATH "
@@ -228,13 +230,13 @@ def cmd_down(args: argparse.Namespace) -> int:
 
 def cmd_restart(args: argparse.Namespace) -> int:
     config = RollingConfig(args.run_dir or run_state.default_run_dir(), drain_timeout_s=args.drain_timeout,
-                           start_timeout_s=args.startup_timeout)
+                           start_timeout_s=args.startup_timeout, only=tuple(dict.fromkeys(args.replica)))
     try:
         rolling_restart(config, lambda line: print(line, file=sys.stderr, flush=True))
     except RollingError as exc:
         print(f"deploy restart: {exc}", file=sys.stderr)
         return 1
-    print("deploy: every replica restarted", file=sys.stderr)
+    print(f"deploy: {', '.join(config.only) if config.only else 'every replica'} restarted", file=sys.stderr)
     return 0
 
 

@@ -3,7 +3,8 @@
 For each replica in turn: drain it in the gateway (admin API: no new requests; it leaves the gateway's set once
 its requests are done), have `deploy up` restart it (deploy/control.py), wait until it is healthy, add it back to
 the gateway as the gateway's config file lists it, and wait until the gateway probes it healthy. The other
-replicas serve meanwhile, so at least two are needed.
+replicas serve meanwhile, so at least two are needed. `--replica NAME` (repeatable) restarts only those, in the
+deployment's order (one wedged or given new settings, say), the others untouched.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ class RollingConfig:
     start_timeout_s: float = 600.0
     admit_timeout_s: float = 60.0
     poll_s: float = 0.5
+    only: tuple[str, ...] = ()  # these replicas (by name) and no other; empty: every one
 
 
 class Admin:
@@ -68,16 +70,21 @@ def _wait(condition: Callable[[], bool], timeout_s: float, poll_s: float, what: 
 
 
 def rolling_restart(config: RollingConfig, say: Callable[[str], None] = print) -> None:
-    """Drain, restart and re-admit every replica of the deployment in `config.run_dir`, one after another."""
+    """Drain, restart and re-admit every replica of the deployment in `config.run_dir` (or those `config.only`
+    names), one after another."""
     state = run_state.read(config.run_dir)
     if not run_state.is_running(state) or state.gateway is None:
         raise RollingError(f"no deployment runs with run directory {str(config.run_dir)!r}")
     if len(state.replicas) < 2:
         raise RollingError("a rolling restart needs at least two replicas (the others serve while one restarts)")
+    names = [r.name for r in state.replicas]
+    if unknown := [n for n in config.only if n not in names]:
+        raise RollingError(f"no replica named {', '.join(unknown)} in this deployment (its replicas: "
+                           f"{', '.join(names)})")
     admin = Admin(state.gateway.url, control.admin_key(config.run_dir))
     listed = {r["name"]: r for r in yaml.safe_load((config.run_dir / "gateway.yaml").read_text())["replicas"]
               if isinstance(r, dict) and "name" in r}
-    for replica in state.replicas:
+    for replica in (r for r in state.replicas if not config.only or r.name in config.only):
         if replica.name not in listed:
             raise RollingError(f"replica {replica.name} is not in the gateway's config file")
         started = time.monotonic()

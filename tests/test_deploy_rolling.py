@@ -16,7 +16,7 @@ import pytest
 
 from deploy import state as run_state
 from deploy.process import StopFlag
-from deploy.rolling import RollingConfig, rolling_restart
+from deploy.rolling import RollingConfig, RollingError, rolling_restart
 from deploy.up import UpConfig, run
 from tests.test_deploy_up import ROOT, STAND_IN, config, healthy, wait  # noqa: F401  (config: fixture)
 
@@ -70,7 +70,8 @@ def slow_config(config: UpConfig, tmp_path: Path) -> UpConfig:  # noqa: F811
 
 
 def test_rolling_restart_under_load_fails_no_request(slow_config: UpConfig) -> None:
-    """Each replica is drained, restarted and taken back in turn while clients keep sending: not one fails."""
+    """Each replica is drained, restarted and taken back in turn while clients keep sending: not one fails. Then
+    `--replica r1` restarts that one alone; a name the deployment does not have is refused, naming those it has."""
     stop = StopFlag()
     thread = threading.Thread(target=run, args=(slow_config, stop))
     thread.start()
@@ -93,6 +94,11 @@ def test_rolling_restart_under_load_fails_no_request(slow_config: UpConfig) -> N
         assert all(a.pid != b.pid for a, b in zip(after.replicas, before.replicas))
         assert after.gateway is not None and after.gateway.pid == before.gateway.pid  # the gateway kept running
         assert sum("draining" in line for line in lines) == 2
+        rolling_restart(RollingConfig(run_dir, poll_s=0.1, only=("r1",)), lines.append)
+        again = run_state.read(run_dir)
+        assert [r.restarts for r in again.replicas] == [1, 2] and again.replicas[0].pid == after.replicas[0].pid
+        with pytest.raises(RollingError, match=r"no replica named r9 .*r0, r1"):
+            rolling_restart(RollingConfig(run_dir, only=("r9",)))
     finally:
         stop.set()
         thread.join(30)
