@@ -250,11 +250,12 @@ def test_two_profiles_fit_how_a_step_grows_with_the_context(tmp_path: Path) -> N
                     long_context=1152.0)
     write_profile(tmp_path / "short", truth)
     context = ProfileContext(model="m", device="cpu", workload=Workload("fixed", 1024, 256))
-    for b, step in truth.long_step_s:
-        ttft, tpot = replay(truth, b, 48, 1024, 256)
+    for b, step in truth.long_step_s:  # a wave or two of requests a point: the fit replays each many times
+        n = max(8, b)
+        ttft, tpot = replay(truth, b, n, 1024, 256)
         write_point(tmp_path / "long", context, ProfilePoint(
-            batch_size=b, total_tok_s=1.0, ttft_ms=Latency(p50=ttft * 1e3), tpot_ms=Latency(mean=tpot * 1e3),
-            itl_ms=Latency(p50=step * 1e3), kv_pool=KvPool(2048, 128)))
+            batch_size=b, total_tok_s=1.0, num_requests=n, ttft_ms=Latency(p50=ttft * 1e3),
+            tpot_ms=Latency(mean=tpot * 1e3), itl_ms=Latency(p50=step * 1e3), kv_pool=KvPool(2048, 128)))
     fitted, rows = calibrate(tmp_path / "short", FACTS, iters=30, extra=[tmp_path / "long"])
     assert (fitted.step_context, fitted.long_context) == (288.0, 1152.0)
     ttft_errors = sorted(abs(row.sim_ttft_p50_ms / row.ttft_p50_ms - 1) for row in rows)
