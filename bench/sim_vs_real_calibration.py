@@ -16,7 +16,7 @@ PROFILES = {"profile": ["--batch-sizes", "1,4,16,32", "--input-tokens", "256", "
             "profile-long": ["--batch-sizes", "1,8,32", "--input-tokens", "1024", "--output-tokens", "256",
                              "--num-requests", "48"],
             "profile-quick": ["--batch-sizes", "1,8", "--input-tokens", "256", "--output-tokens", "64",
-                              "--num-requests", "24"]}
+                              "--num-requests", "12"]}  # --quick (CI): B = 1 alone took 20 s with 24
 BATCHED_TOKENS, MAX_MODEL_LEN = 2048, 2048  # vLLM-CPU's token budget (API server default) and the tiny model's length
 MODEL = "tiny-opt"
 PREFILL_COST = "prefill_cost.json"  # bench.prefill_cost's readings on the first replica, in the run's folder
