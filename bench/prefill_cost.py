@@ -20,6 +20,8 @@ import argparse
 import json
 import random
 import statistics
+import sys
+import urllib.error
 import urllib.request
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -84,16 +86,24 @@ def _complete(url: str, model: str, prompt: list[int], timeout_s: float) -> None
         resp.read()
 
 
-def model_of(url: str, timeout_s: float = 10.0) -> str:
+def served(url: str, timeout_s: float = 10.0) -> tuple[str, int | None]:
+    """The replica's model name and its context length (vLLM's /v1/models gives both; None where it does not)."""
     with urllib.request.urlopen(url + "/v1/models", timeout=timeout_s) as resp:
-        return str(json.loads(resp.read())["data"][0]["id"])
+        first = json.loads(resp.read())["data"][0]
+    length = first.get("max_model_len")
+    return str(first["id"]), int(length) if isinstance(length, int) else None
+
+
+def cells_within(cells: Sequence[tuple[int, int]], max_model_len: int | None) -> list[tuple[int, int]]:
+    """The cells whose prompt and one output token fit the replica's context."""
+    return [(c, n) for c, n in cells if max_model_len is None or c + n + 1 <= max_model_len]
 
 
 def measure(url: str, cells: Sequence[tuple[int, int]], reps: int, seed: int = 0, vocab: tuple[int, int] = (4, 1000),
             timeout_s: float = 60.0) -> list[Reading]:
     """Each cell `reps` times, one request at a time (see the module's text)."""
     rng = random.Random(seed)
-    model = model_of(url)
+    model, _ = served(url)
     _complete(url, model, [rng.randrange(*vocab) for _ in range(64)], timeout_s)  # the first request's warm-up
     readings = []
     for cached, new in cells:
@@ -123,7 +133,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, help="write the readings and the fit here (JSON)")
     args = parser.parse_args(argv)
-    readings = measure(args.replica.rstrip("/"), CELLS, args.reps, args.seed)
+    url = args.replica.rstrip("/")
+    try:
+        cells = cells_within(CELLS, served(url)[1])
+        if len(cells) < 3:
+            parser.error(f"{url}'s context is too short for 3 cells of {CELLS}")
+        readings = measure(url, cells, args.reps, args.seed)
+    except (urllib.error.URLError, OSError, KeyError, ValueError) as exc:
+        print(f"bench.prefill_cost: {url}: {exc}", file=sys.stderr)
+        return 1
     result = fit(readings)
     print(f"fit: {result.base_s * 1e3:.2f} ms + {result.per_token_s * 1e6:.1f} us/token + "
           f"{result.per_pair_s * 1e9:.2f} ns/pair; errors " + ", ".join(f"{e:+.0%}" for e in result.errors))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.prefill_cost import CELLS, Reading, fit
+from bench.prefill_cost import CELLS, Reading, cells_within, fit, main
 
 
 def test_the_fit_recovers_a_prefill_that_grows_with_the_context_attended() -> None:
@@ -22,3 +22,11 @@ def test_the_fit_recovers_a_prefill_that_grows_with_the_context_attended() -> No
     assert result.predict_s(1024, 384) == pytest.approx(ms(1024, 384) / 1e3, rel=0.02)
     with pytest.raises(ValueError, match="at least 3 cells"):
         fit(readings[:2])
+
+
+def test_cells_fit_the_replicas_context_and_an_unreachable_replica_is_a_clear_error(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    assert cells_within(CELLS, None) == list(CELLS) and cells_within(CELLS, 2048) == list(CELLS)
+    assert cells_within(CELLS, 1024) == [(0, 128), (0, 384), (256, 128), (256, 384), (512, 128), (512, 384)]
+    assert main(["--replica", "http://127.0.0.1:9"]) == 1
+    assert "bench.prefill_cost: http://127.0.0.1:9:" in capsys.readouterr().err
