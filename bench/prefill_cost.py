@@ -37,6 +37,11 @@ CELLS = ((0, 128), (0, 384), (0, 1024), (0, 1536), (256, 128), (256, 384), (512,
          (1024, 128), (1024, 384), (1024, 896), (1536, 128), (1536, 384))
 
 
+def attention_pairs(cached: float, new: float) -> float:
+    """The (query, key) pairs `new` tokens after `cached` ones compute: each attends to those before it and itself."""
+    return new * (cached + new / 2)
+
+
 @dataclass(frozen=True)
 class Reading:
     """A cell's median prefill (ms) over its reps, and the cached tokens the replica found per request."""
@@ -49,7 +54,7 @@ class Reading:
 
     @property
     def pairs(self) -> float:
-        return self.new * (self.cached + self.new / 2)
+        return attention_pairs(self.cached, self.new)
 
 
 @dataclass(frozen=True)
@@ -62,7 +67,7 @@ class Fit:
     errors: tuple[float, ...]
 
     def predict_s(self, cached: float, new: float) -> float:
-        return self.base_s + self.per_token_s * new + self.per_pair_s * new * (cached + new / 2)
+        return self.base_s + self.per_token_s * new + self.per_pair_s * attention_pairs(cached, new)
 
 
 def fit(readings: Sequence[Reading]) -> Fit:
@@ -74,9 +79,7 @@ def fit(readings: Sequence[Reading]) -> Fit:
     x = np.array([[1.0, r.new, r.pairs] for r in readings])
     coef, *_ = np.linalg.lstsq(x / y[:, None], np.ones(len(y)), rcond=None)
     base, per_token, per_pair = (float(c) for c in coef)
-    out = Fit(base, per_token, per_pair, ())
-    return Fit(base, per_token, per_pair, tuple(out.predict_s(r.cached, r.new) / (r.prefill_ms / 1e3) - 1
-                                                for r in readings))
+    return Fit(base, per_token, per_pair, tuple(float(e) for e in x @ coef / y - 1))
 
 
 def _complete(url: str, model: str, prompt: list[int], timeout_s: float) -> None:
@@ -99,11 +102,11 @@ def cells_within(cells: Sequence[tuple[int, int]], max_model_len: int | None) ->
     return [(c, n) for c, n in cells if max_model_len is None or c + n + 1 <= max_model_len]
 
 
-def measure(url: str, cells: Sequence[tuple[int, int]], reps: int, seed: int = 0, vocab: tuple[int, int] = (4, 1000),
-            timeout_s: float = 60.0) -> list[Reading]:
-    """Each cell `reps` times, one request at a time (see the module's text)."""
+def measure(url: str, model: str, cells: Sequence[tuple[int, int]], reps: int, seed: int = 0,
+            vocab: tuple[int, int] = (4, 1000), timeout_s: float = 60.0) -> list[Reading]:
+    """Each cell `reps` times, one request at a time, on the replica at `url` serving `model` (see the module's
+    text)."""
     rng = random.Random(seed)
-    model, _ = served(url)
     _complete(url, model, [rng.randrange(*vocab) for _ in range(64)], timeout_s)  # the first request's warm-up
     readings = []
     for cached, new in cells:
@@ -135,10 +138,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     url = args.replica.rstrip("/")
     try:
-        cells = cells_within(CELLS, served(url)[1])
+        model, max_model_len = served(url)
+        cells = cells_within(CELLS, max_model_len)
         if len(cells) < 3:
             parser.error(f"{url}'s context is too short for 3 cells of {CELLS}")
-        readings = measure(url, cells, args.reps, args.seed)
+        readings = measure(url, model, cells, args.reps, args.seed)
     except (urllib.error.URLError, OSError, KeyError, ValueError) as exc:
         print(f"bench.prefill_cost: {url}: {exc}", file=sys.stderr)
         return 1
