@@ -17,7 +17,7 @@ from deploy.process import REPLICA_NICE
 
 from .common import markdown_table, pyplot
 from .sim_vs_real_calibration import PREFILL_COST, profile_dir, profiled, round_models
-from .sim_vs_real_goals import GOALS, goals_lines
+from .sim_vs_real_goals import GOALS, goals_lines, median_errors
 from .sim_vs_real_inflight import inflight_lines
 from .sim_vs_real_ranking import point_of, ranking_lines, verdict_lines
 from .sim_vs_real_rounds import models_lines, rounds_lines
@@ -333,23 +333,22 @@ def cpu_table(rows: Sequence[dict[str, Any]]) -> list[str]:
     return lines
 
 
-PLOTTED = ("ttft_p50", "ttft_p99", "tpot_p50", "e2e_p50")  # the goals' figures, a column each
-
-
 def plot(table: dict[str, dict[str, Any]], paths: Sequence[Path]) -> list[str]:
-    """Each single-turn point and policy, real against each simulated side the run has (a row each; the goals'
-    band shaded about the diagonal, the median error in the title). Returns the sides drawn, top to bottom."""
+    """Each single-turn point and policy, real against each simulated side the run has (a row each, a column per
+    figure of `GOALS`: its band shaded about the diagonal, the side's median error as "The goals" gives it in the
+    title). Returns the sides drawn, top to bottom."""
     real = table.get("real", {})
     sides = [n for n in (*CALIBRATIONS.values(), FOLLOWED, PAIRED) if n in table
              and any(not p.startswith("chat") and p in table[n] for p in real)]
     if not sides:
         return []
     plt = pyplot()
-    fig, grid = plt.subplots(len(sides), len(PLOTTED), figsize=(4.2 * len(PLOTTED), 3.8 * len(sides)), squeeze=False)
+    fig, grid = plt.subplots(len(sides), len(GOALS), figsize=(4.2 * len(GOALS), 3.8 * len(sides)), squeeze=False)
     for axes, name in zip(grid, sides):
         sim = table[name]
         points = [p for p in real if not p.startswith("chat") and p in sim]
-        for ax, metric in zip(axes, PLOTTED):
+        errors, _ = median_errors(real, sim)
+        for ax, (metric, goal) in zip(axes, GOALS.items()):
             pairs = [(real[p][policy][metric], sim[p][policy][metric], policy, p.split("/")[1])
                      for p in points for policy in POLICIES if policy in real[p] and policy in sim[p]]
             for policy in POLICIES:
@@ -360,11 +359,10 @@ def plot(table: dict[str, dict[str, Any]], paths: Sequence[Path]) -> list[str]:
                                    label=f"{policy}, {'bursts' if arrival == 'gamma' else arrival}")
             xs = np.array([x for x, *_ in pairs] + [y for _, y, *_ in pairs])
             line = np.geomspace(xs.min() / 1.3, xs.max() * 1.3, 50)
-            goal = GOALS[metric]
             ax.fill_between(line, line * (1 - goal), line * (1 + goal), color="0.88", lw=0, zorder=0,
                             label=f"within {goal:.0%}")
             ax.plot(line, line, "k--", lw=0.8, zorder=1)
-            error = float(np.median([abs(y / x - 1) for x, y, *_ in pairs]))
+            error = errors[metric]
             ax.set(xlabel=f"real vLLM-CPU {metric} (ms)", ylabel=f"{name} {metric} (ms)", xscale="log",
                    yscale="log", title=f"{name}: median error {error:.0%}" + (" (missed)" if error > goal else ""))
             ax.tick_params(which="minor", labelsize=6)
