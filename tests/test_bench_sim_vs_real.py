@@ -179,9 +179,8 @@ def test_the_engines_steps_are_set_side_by_side_and_against_the_replica_model(tm
     tokens a step; 2,500 simulated steps are 8 ms. The replica model at the real batch: step(8) = 5 + 7.5 x 7/15 =
     8.5 ms, plus 10 prompt tokens at 50 us = 9.0 ms, 10% under the real step. Runs without the counters (before
     they were recorded) are left out."""
-    model = MODEL
     path = tmp_path / "replica.json"
-    path.write_text(model.to_json())
+    path.write_text(MODEL.to_json())
     rows = [_stepped("real", 2000, 16000, 20000), _stepped("real", 2000, 16000, 20000),
             _stepped("sim-together", 2500, 15000, 22500), {**_stepped("real", 1, 1, 1), "engine": None}]
     text = "\n".join(steps_lines(rows, 2, "sim-together", str(path)))
@@ -214,9 +213,8 @@ def test_the_speedometer_is_held_against_the_engines_own_speed(tmp_path: Path) -
     calibration reading would take the miss to 0%; one that read them the other way round makes it 25%. Simulated
     runs, chat runs and runs without a reading do not count; without the model or the calibration's reading, or
     with fewer than three runs, there is no section."""
-    model = MODEL
     path = tmp_path / "replica.json"
-    path.write_text(model.to_json())
+    path.write_text(MODEL.to_json())
     steps = (2000, 1800, 1500)
     ratios = [20000 / n / 9.0 for n in steps]
 
@@ -291,9 +289,8 @@ def test_each_rounds_model_alone_is_set_beside_the_fitted_one_at_the_real_batch(
 
     from bench.sim_vs_real_rounds import models_lines
 
-    model = MODEL
-    slow = replaced(model, step_s=tuple((b, 1.2 * s) for b, s in model.step_s))
-    for name, m in (("fitted", model), ("r0", model), ("r1", slow)):
+    slow = replaced(MODEL, step_s=tuple((b, 1.2 * s) for b, s in MODEL.step_s))
+    for name, m in (("fitted", MODEL), ("r0", MODEL), ("r1", slow)):
         (tmp_path / f"{name}.json").write_text(m.to_json())
     rows = [_stepped("real", 2000, 16000, 20000), _stepped("sim-together", 2500, 15000, 22500)]
     text = "\n".join(models_lines(rows, 2, str(tmp_path / "fitted.json"),
@@ -319,9 +316,8 @@ def test_the_matched_side_is_scaled_to_the_seed_0_runs_and_runs_only_the_others(
     from bench.sim_vs_real import MATCHED, main
     from bench.sim_vs_real_steps import matched_scale, warmup_scale
 
-    model = MODEL
     path = tmp_path / "replica.json"
-    path.write_text(model.to_json())
+    path.write_text(MODEL.to_json())
     slow, even = _stepped("real", 2000, 16000, 20000), _stepped("real", 2000 * 10 / 9, 16000 * 10 / 9, 20000 * 10 / 9)
     rows = [slow, even, {**_stepped("real", 1000, 16000, 20000), "seed": 1},
             {**_stepped("real", 1000, 16000, 20000), "workload": "chat"}, _stepped("sim-together", 1000, 8000, 100)]
@@ -366,9 +362,8 @@ def test_the_paired_side_runs_each_run_at_its_real_twins_own_step_speed(
     from bench.sim_vs_real import PAIRED, main
     from bench.sim_vs_real_steps import run_scale
 
-    model = MODEL
     path = tmp_path / "replica.json"
-    path.write_text(model.to_json())
+    path.write_text(MODEL.to_json())
     assert run_scale(_stepped("real", 2000, 16000, 20000), 2, str(path)) == pytest.approx(10 / 9)
     with pytest.raises(ValueError, match="sharegpt/0.8/0/round_robin has no vLLM step counters"):
         run_scale({**_stepped("real", 1, 1, 1), "engine": None}, 2, str(path))
@@ -438,9 +433,8 @@ def test_the_report_opens_with_each_side_against_the_goals_and_the_machines_spee
     from bench.sim_vs_real import PAIRED
     from bench.sim_vs_real_goals import GOALS, median_errors, speed_ratios
 
-    model = MODEL
     path = tmp_path / "replica.json"
-    path.write_text(model.to_json())
+    path.write_text(MODEL.to_json())
 
     def at(side: str, seed: int, policy: str, ttft_ms: float, tpot_ms: float, steps: float) -> dict[str, object]:
         figures = row(side, 0, ttft_ms, tpot_ms, policy)
@@ -476,9 +470,8 @@ def test_the_goals_are_split_by_traffic_where_a_run_has_several(tmp_path: Path) 
     meets every goal and bursts miss. The engines stepped 1.0 x the model under Poisson and 1.2 x under bursts."""
     from bench.sim_vs_real_goals import goals_lines, median_errors, traffic_of
 
-    model = MODEL
     path = tmp_path / "replica.json"
-    path.write_text(model.to_json())
+    path.write_text(MODEL.to_json())
 
     def at(side: str, arrival: str, seed: int, policy: str, scale: float, steps: float) -> dict[str, object]:
         base = 25.0 if policy == "round_robin" else 30.0 + seed
@@ -517,14 +510,13 @@ def test_prompt_tokens_a_step_are_those_computed_not_the_whole_prompts_vllm_coun
     those, 2.5 x fewer: at 60 tokens a step it gives 3 ms less than at 150 (50 us a token)."""
     from bench.sim_vs_real_steps import step_ratio
 
-    model = MODEL
     chat = {"side": "real", "workload": "chat", "arrival": "poisson", "load": 1.5, "policy": "prefix_affinity",
             "seed": 0, "engine": {"steps": 1000.0, "tokens": 61658.0 + 3000.0, "generated": 3000.0,
                                   "prompt": 152026.0, "span_s": 5.0}}
     sampled, ms, prompt = per_run(chat, 2)
     assert (sampled, ms, prompt) == (3.0, 10.0, pytest.approx(61.658))
     at_computed = 5.0 + 7.5 * 2 / 15 + 0.05 * 61.658  # step(3) + prefill of the tokens computed, ms
-    assert step_ratio(chat, 2, model) == pytest.approx(10.0 / at_computed)
+    assert step_ratio(chat, 2, MODEL) == pytest.approx(10.0 / at_computed)
 
 
 def test_the_figure_draws_each_simulated_side_against_the_real_one(tmp_path: Path) -> None:
