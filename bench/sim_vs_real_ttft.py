@@ -7,8 +7,10 @@ output. `sim serve` exports the same three. Their sums and counts over a run giv
 client's own TTFT (through the gateway), a run's mean TTFT splits into:
 
 - outside the replica: the client's TTFT less the API server's (HTTP, the gateway, the SSE stream back);
-- in the API server before the engine: its TTFT less queue and prefill (tokenizing, handing over);
-- waiting in the engine's queue;
+- before the engine's queue: its TTFT less queue and prefill: the API server (tokenizing, handing over) and the
+  engine's step in progress (vLLM's engine core takes new requests in between steps and its scheduler stamps them
+  queued then; `sim serve` stamps them alike since 2026-11-29, before which its queue counted that wait);
+- waiting in the engine's queue (for the token budget, a batch slot, blocks);
 - prefill, to the first token.
 """
 
@@ -38,7 +40,7 @@ def ttft_parts(before: dict[str, float], after: dict[str, float]) -> dict[str, f
 
 
 def split(row: dict[str, Any]) -> tuple[float, float, float, float, float] | None:
-    """A run's mean TTFT and its four parts in ms (outside the replica, API server before the engine, queue,
+    """A run's mean TTFT and its four parts in ms (outside the replica, before the engine's queue, queue,
     prefill), or None for a run without the histograms."""
     parts = (row.get("engine") or {}).get("ttft_parts")
     if not parts or not row["ttft_s"] or not all(math.isfinite(parts[k]) for k in HISTOGRAMS):
@@ -66,6 +68,8 @@ def ttft_lines(rows: Sequence[dict[str, Any]], sides: Sequence[str]) -> list[str
             "Mean TTFT per run in ms, split by vLLM's own request timings (`vllm:time_to_first_token_seconds`, "
             "`request_queue_time_seconds`, `request_prefill_time_seconds`; `sim serve` exports the same); medians "
             "over the runs of a point. Outside the replica: the client's TTFT less the API server's (the gateway, "
-            "HTTP, the stream back). API server: its TTFT less queue and prefill (tokenizing, handing over).", "",
-            markdown_table(["point", "side", "runs", "TTFT", "outside the replica", "API server", "queue",
+            "HTTP, the stream back). Before the queue: its TTFT less queue and prefill: the API server (tokenizing, "
+            "handing over) and the engine's step in progress, since vLLM's engine core takes new requests in "
+            "between steps. Queue: waiting for the token budget, a batch slot or blocks.", "",
+            markdown_table(["point", "side", "runs", "TTFT", "outside the replica", "before the queue", "queue",
                             "prefill"], body), ""]

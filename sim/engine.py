@@ -80,7 +80,7 @@ class SimRequest:
     __slots__ = ("rid", "prompt_tokens", "max_tokens", "arrival", "state", "generated", "start", "c0", "epoch",
                  "prefilled", "target", "first_token_at", "finished_at", "preemptions", "error",
                  "on_first_token", "on_token", "on_finish", "tag", "blocks", "refs", "cached_tokens",
-                 "scheduled_at")
+                 "scheduled_at", "queued_at")
 
     _ids = itertools.count()
 
@@ -103,6 +103,7 @@ class SimRequest:
         self.target = 0  # tokens its (re)prefill must compute: prompt plus output so far
         self.first_token_at: float | None = None
         self.scheduled_at: float | None = None  # first taken into a batch (vLLM's scheduled_ts; preemptions aside)
+        self.queued_at: float | None = None  # the first step boundary since its arrival (vLLM's queued_ts, below)
         self.finished_at: float | None = None
         self.preemptions = 0
         self.error: str | None = None
@@ -141,6 +142,7 @@ class Engine:
         self._finish: list[tuple[int, int, int, SimRequest]] = []
         self._streams: dict[int, SimRequest] = {}
         self._aborts: list[SimRequest] = []
+        self._arrived: list[SimRequest] = []  # arrived since the last step boundary: not yet in vLLM's scheduler
         self._busy = False
         self._kicked = False
         self._decode = False
@@ -163,7 +165,10 @@ class Engine:
         self.prefix_cache_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_cache_hits = 0  # of which found
         # vLLM's request_queue_time / request_prefill_time histograms (sum, count), taken when a request finishes:
-        # arrival at the engine -> first scheduled, first scheduled -> first token
+        # queued -> first scheduled, first scheduled -> first token. vLLM's engine core takes in new requests between
+        # steps, and its scheduler stamps a request queued then: a request that arrives during a step waits for
+        # that step's end before its queue time starts (its TTFT counts the wait; vLLM's split puts it outside the
+        # engine's queue, with the API server's time).
         self.queue_time = [0.0, 0]
         self.prefill_time = [0.0, 0]
 
@@ -178,6 +183,7 @@ class Engine:
             self._end(req, ABORTED)
             return
         req.arrival = self.clock.now()
+        self._arrived.append(req)
         self.waiting.append(req)
         self._kick()
 
@@ -238,6 +244,11 @@ class Engine:
 
     def _step(self) -> None:
         self._kicked = False
+        if self._arrived:
+            now = self.clock.now()
+            for req in self._arrived:
+                req.queued_at = now
+            self._arrived.clear()
         for req in self._aborts:
             if req.state not in (FINISHED, ABORTED):
                 self._drop(req)
@@ -526,8 +537,8 @@ class Engine:
         req.finished_at = self.clock.now() if now is None else now
         if state == FINISHED:
             self.finished_total += 1
-            if req.scheduled_at is not None and req.first_token_at is not None:
-                self.queue_time[0] += req.scheduled_at - req.arrival
+            if req.queued_at is not None and req.scheduled_at is not None and req.first_token_at is not None:
+                self.queue_time[0] += req.scheduled_at - req.queued_at
                 self.queue_time[1] += 1
                 self.prefill_time[0] += req.first_token_at - req.scheduled_at
                 self.prefill_time[1] += 1

@@ -61,6 +61,22 @@ def test_every_request_gets_all_its_tokens_and_blocks_come_back(chunked: bool) -
     assert eng.iteration_tokens_total == sum(r.prompt_tokens + r.max_tokens - 1 for r in reqs)
 
 
+def test_queue_time_starts_at_the_step_boundary_as_vllm_stamps_it() -> None:
+    """vLLM's engine core takes in requests between steps, and its scheduler stamps them queued then: a request
+    arriving during a step is queued at that step's end, and with budget to spare scheduled at once (queue time 0,
+    the wait counted in its TTFT alone)."""
+    clock, eng, _ = engine(chunked=True, max_num_seqs=8, max_num_batched_tokens=4096)
+    first, late = SimRequest(2000, 4), SimRequest(100, 4)
+    eng.add(first)
+    clock.call_at(1e-4, eng.add, late)  # during the first request's prefill step
+    clock.run()
+    assert first.queued_at == first.scheduled_at == 0.0
+    assert late.arrival == pytest.approx(1e-4)
+    assert late.queued_at == late.scheduled_at > late.arrival  # the first step's end
+    assert eng.queue_time == [0.0, 2]
+    assert eng.prefill_time[0] == pytest.approx(sum(r.first_token_at - r.scheduled_at for r in (first, late)))
+
+
 def test_batch_cap_bounds_running_requests() -> None:
     """Never more than max_num_seqs requests run; the rest wait."""
     clock, eng, _ = engine(max_num_seqs=4)
