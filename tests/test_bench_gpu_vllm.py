@@ -1,7 +1,7 @@
 """`python -m bench.gpu_replication --quick` end to end on REAL vLLM (CPU) with the tiny model: the frontier on
-one instance, `planner plan`, 1..2 replicas through the gateway (one client, then one per replica) and straight,
-the routing policies under a real Locust run, the report; then the same command again measures nothing (every
-point is on disk)."""
+one instance and its prefill cost, `planner plan`, 1..2 replicas through the gateway (one client, then one per
+replica) and straight, the routing policies under a real Locust run, the report (the simulator calibrated from the
+frontier among it); then the same command again measures nothing (every point is on disk)."""
 
 from __future__ import annotations
 
@@ -31,6 +31,10 @@ def test_quick_run_end_to_end_and_resume(tmp_path: Path) -> None:
     profile = load_profile(out / "frontier")
     assert [p.batch_size for p in profile.points] == [2, 8]
     assert all(p.total_tok_s > 0 and p.failed_requests == 0 and p.gpu is None for p in profile.points)
+    cost = json.loads((out / "points" / "frontier" / "prefill_cost.json").read_text())  # bench.prefill_cost's
+    assert [(r["cached"], r["new"]) for r in cost["readings"]] == [(0, 128), (0, 384), (256, 128)]  # fit 512
+    assert all(r["prefill_ms"] > 0 and r["reps"] == 2 for r in cost["readings"])
+    assert cost["readings"][2]["hit_tokens"] > 0 and isinstance(cost["fit"]["per_pair_s"], float)
     plan = json.loads((out / "points" / "plan" / "plan.json").read_text())
     assert plan["b_star"] in (2, 8) and plan["measured_replicas"] == 2
     for k in (1, 2):
@@ -59,6 +63,9 @@ def test_quick_run_end_to_end_and_resume(tmp_path: Path) -> None:
         assert (out / "loadtest" / name / "records.jsonl").stat().st_size > 0  # a real Locust run wrote them
     text = (out / "summary.md").read_text()
     assert "CPU run" in text and "14,669 (+35%)" in text and decision["decision"] in text
+    calibrated = text.split("## The simulator calibrated from this frontier")[1]  # sim calibrate on the frontier
+    assert "max_num_seqs 8, max_num_batched_tokens 2048, chunked_prefill True" in calibrated
+    assert "| 32 + 16 | 2 |" in calibrated and "| 32 + 16 | 8 |" in calibrated
     for figure in ("fig1_frontier.png", "fig5_replicas.png", "fig4_routing.png", "fig6_gpu.png"):
         assert (out / figure).stat().st_size > 10_000
     assert "workers: 2" in (out / "run" / "gw-lot" / "gateway.yaml").read_text()  # --gateway-workers reached it

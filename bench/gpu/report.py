@@ -16,6 +16,7 @@ from typing import Any
 
 from bench.common import markdown_table, pyplot
 from bench.gpu.settings import Settings, budget
+from bench.gpu.simfit import calibration_section
 from bench.gpu.steps import SHORT, b_star_of, routing_name
 from bench.gpu.store import Store, write_json
 from planner.points import ProfilePoint
@@ -392,6 +393,7 @@ def write(settings: Settings, store: Store) -> Path:
     frontier_table, frontier_facts = frontier_section(profile.points)
     counts_table, counts_facts = counts_section(store, sims)
     stepfit = stepfit_section(settings, profile.points, machine.get("gpu"))
+    calibrated = calibration_section(settings, store)
     cpu = cpu_section(store)
     lines = [f"# Replication on one device: {settings.model}", "",
              *(["**CPU run (vLLM-CPU, `--quick`): it checks the pipeline end to end; its numbers say nothing about "
@@ -428,6 +430,10 @@ def write(settings: Settings, store: Store) -> Path:
              "utilization, SM activity where NVML gives it, power, memory, for every configuration); each Locust "
              "run's own plots under `loadtest/`.", "",
              *(["## The step-time model against this GPU (`sim stepfit`)", "", stepfit, ""] if stepfit else []),
+             "## The simulator calibrated from this frontier (`sim calibrate --profile frontier`)", "",
+             "A replica model fitted to the single instance's closed-loop points (bench/gpu/simfit.py), and its "
+             "error at each of them: TTFT p50, mean TPOT, and the tokens a streamed chunk carried.", "",
+             calibrated, "",
              "## Time", "", timing_table(settings, store), ""]
     summary = out / "summary.md"
     summary.write_text("\n".join(lines))

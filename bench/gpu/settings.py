@@ -50,6 +50,7 @@ class Settings:
     window_s: float = 25 * 60
     startup_estimate_s: float = 60.0  # one vLLM start, for the time budget (the first one compiles longer)
     warmup_requests: int = 2
+    prefill_reps: int = 5  # bench.prefill_cost's prompts per cell, on the frontier's idle instance
     request_timeout_s: float = 600.0
     seed: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
@@ -66,7 +67,7 @@ class Settings:
             raise ValueError(f"need 0 <= min_point_s <= --point-s, got {self.min_point_s}, {self.point_s}")
         if not self.loads or min(self.loads) <= 0:
             raise ValueError(f"loads must be positive fractions of capacity, got {list(self.loads)}")
-        for name in ("input_tokens", "output_tokens", "min_requests"):
+        for name in ("input_tokens", "output_tokens", "min_requests", "prefill_reps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.gateway_workers is not None and self.gateway_workers < 1:
@@ -102,7 +103,7 @@ def quick_preset(out: Path, model: str = "tiny") -> Settings:
                     waves=2.0, min_requests=8, min_point_s=0.0, point_s=20.0, min_replicas=2, max_replicas=2,
                     loads=(0.9,), rate_duration_s=6.0, drain_s=60.0, mps=True, startup_timeout_s=300.0,
                     vllm_args=("--max-model-len", "512"), cpu_kvcache_gib=1.0, window_s=5 * 60,
-                    startup_estimate_s=30.0, warmup_requests=1, request_timeout_s=120.0)
+                    startup_estimate_s=30.0, warmup_requests=1, request_timeout_s=120.0, prefill_reps=2)
 
 
 def with_overrides(settings: Settings, **changes: Any) -> Settings:
@@ -132,10 +133,12 @@ def budget(settings: Settings, replicas: int | None = None) -> list[StepBudget]:
     counts = n * (settings.point_s * 0.6 + 5.0) * (3 if settings.direct else 1)
     routing = len(settings.policies) * len(settings.loads) * rate_s
     steps = [
-        StepBudget("frontier", 1, frontier + len(settings.loads) * rate_s,
+        StepBudget("frontier", 1, frontier + 10.0 + len(settings.loads) * rate_s,
                    f"one instance (max_num_seqs {max(settings.batch_sizes)}), batch caps "
-                   f"{', '.join(map(str, settings.batch_sizes))} in closed loop; then the baseline at its best "
-                   f"cap through the gateway at {len(settings.loads)} Poisson rate(s)"),
+                   f"{', '.join(map(str, settings.batch_sizes))} in closed loop; what a prefill costs by the "
+                   f"cached context it attends to (bench.prefill_cost, {settings.prefill_reps} prompts a cell, "
+                   f"the instance idle); then the baseline at its best cap through the gateway at "
+                   f"{len(settings.loads)} Poisson rate(s)"),
         StepBudget("plan", 0, 1.0, "planner plan on the frontier: B*, replicas, memory each"),
         StepBudget("replicas", n, counts + routing,
                    f"{n} replicas at B*: 1..{n} of them through the gateway in closed loop (Fig. 5, no MPS)"
@@ -146,5 +149,6 @@ def budget(settings: Settings, replicas: int | None = None) -> list[StepBudget]:
     ]
     if settings.mps and settings.device == "gpu":
         steps.append(StepBudget("mps", n, counts, f"the same {n} replicas under NVIDIA MPS: 1..{n} in closed loop"))
-    steps.append(StepBudget("report", 0, 5.0, "plots and summary.md beside the papers' figures"))
+    steps.append(StepBudget("report", 0, 35.0, "plots and summary.md beside the papers' figures; the simulator "
+                            "calibrated from the frontier (sim calibrate: about 30 s)"))
     return steps

@@ -2,8 +2,10 @@
 command on the GPU machine) resumes where the last one stopped.
 
 - `frontier`: one instance (the papers' 0.9 of the GPU, max_num_seqs the largest B) driven in closed loop at
-  each batch cap B: `planner profile`'s own point files (Fig. 1 of arXiv 2404.03353). Then, on the same instance
-  capped at its best B by the gateway, Poisson arrivals at each load: the baseline a user would otherwise pick.
+  each batch cap B: `planner profile`'s own point files (Fig. 1 of arXiv 2404.03353). Then, the instance idle,
+  what its prefill costs by the cached context it attends to (`bench.prefill_cost`: the simulator's calibration
+  takes it, see bench/gpu/simfit.py). Then, on the same instance capped at its best B by the gateway, Poisson
+  arrivals at each load: the baseline a user would otherwise pick.
 - `plan`: `planner plan` on that frontier (B*, the replica count, each replica's memory). When it keeps fewer
   than `min_replicas`, that many are measured anyway, in the papers' layout (0.9 / N of the GPU each), since
   whether replication pays is the question.
@@ -29,6 +31,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from bench import prefill_cost as probe
 from bench.gpu.cluster import SampledDeployer, cpu_meter, gateway, replicas, resolve_plan
 from bench.gpu.settings import Settings
 from bench.gpu.store import Store
@@ -128,7 +131,8 @@ def frontier(ctx: Context) -> None:
     s = ctx.settings
     todo = [b for b in sorted(s.batch_sizes) if not point_path(ctx.profile_dir, b).exists()]
     baseline = [x for x in s.loads if not ctx.store.has("routing", routing_name("single", x))]
-    if not todo and not baseline:
+    need_cost = not ctx.store.has("frontier", "prefill_cost")
+    if not todo and not baseline and not need_cost:
         ctx.log("frontier: every point is measured already")
         return
     plan, models = resolve_plan(single_plan(s), ctx.hardware)
@@ -149,6 +153,8 @@ def frontier(ctx: Context) -> None:
                                        metrics_interval_s=0.5, timeouts=ctx.timeouts())
                 Profiler(config, RunningServer(url), workload, context, ctx.sampler, out=ctx.log).run()
             req_s = read_point(path)[1].req_s
+        if need_cost:
+            prefill_cost(ctx, url)
         best = best_point(ctx.profile_dir)
         capacity = best.req_s or 0.0
         for x in baseline:
@@ -157,6 +163,29 @@ def frontier(ctx: Context) -> None:
                 routing_point(ctx, url, model, x * capacity, routing_name("single", x),
                               {"policy": "single instance", "replicas": 1, "load": x, "batch_cap": best.batch_size,
                                "capacity_req_s": capacity})
+
+
+def prefill_cost(ctx: Context, url: str) -> None:
+    """`bench.prefill_cost` on the idle instance at `url`: one request at a time, each after a prefix it has just
+    cached, vLLM's own prefill time; stored as `python -m bench.prefill_cost --out` writes it, which `sim calibrate
+    --prefill-cost` reads."""
+    started = time.monotonic()
+    try:
+        model, max_model_len = probe.served(url)
+        cells = probe.cells_within(probe.CELLS, max_model_len)
+        if len(cells) < 3:
+            raise ValueError(f"a context of {max_model_len} tokens holds {len(cells)} of its cells, and the fit "
+                             "needs 3")
+        readings = probe.measure(url, model, cells, ctx.settings.prefill_reps, ctx.settings.seed)
+    except (OSError, RuntimeError, ValueError, KeyError) as exc:  # kept, said, and the benchmark goes on
+        ctx.store.put("frontier", "prefill_cost", {"replica": url, "error": str(exc)})
+        ctx.log(f"  prefill cost: not measured: {exc}")
+        return
+    fit = probe.fit(readings)
+    ctx.store.put("frontier", "prefill_cost", {"replica": url, "readings": [asdict(r) for r in readings],
+                                               "fit": asdict(fit), "elapsed_s": round(time.monotonic() - started, 1)})
+    ctx.log(f"  prefill cost: {fit.base_s * 1e3:.2f} ms + {fit.per_token_s * 1e6:.2f} us a token + "
+            f"{fit.per_pair_s * 1e9:.3f} ns a (query, key) pair, over {len(cells)} cells")
 
 
 def routing_point(ctx: Context, url: str, model: ResolvedModel, rate: float, name: str,
