@@ -80,9 +80,30 @@ def test_calibration_recovers_the_prefill_cost_and_front_end_of_a_known_replica(
     fitted, rows = calibrate(tmp_path, FACTS)
     assert fitted.prefill_s_per_token == pytest.approx(TRUE.prefill_s_per_token, rel=0.1)
     assert fitted.frontend_s == pytest.approx(TRUE.frontend_s, rel=0.1)
-    assert fitted.step_s == TRUE.step_s and (fitted.block_size, fitted.num_blocks) == (128, 2048)
+    assert_steps(fitted.step_s, TRUE.step_s, rel=0.05)
+    assert (fitted.block_size, fitted.num_blocks) == (128, 2048)
     for row in rows:
         assert row.sim_ttft_p50_ms == pytest.approx(row.ttft_p50_ms, rel=0.05)
+        assert row.sim_tpot_mean_ms == pytest.approx(row.tpot_mean_ms, rel=0.05)
+
+
+def assert_steps(got: tuple[tuple[int, float], ...], want: tuple[tuple[int, float], ...], rel: float) -> None:
+    assert [b for b, _ in got] == [b for b, _ in want]
+    assert [s for _, s in got] == pytest.approx([s for _, s in want], rel=rel)
+
+
+def test_steps_are_fitted_to_the_mean_time_per_token_not_the_median_gap(tmp_path: Path) -> None:
+    """The engine's slow steps: every chunk gap's median 12% under the mean time per token (vLLM-CPU at B = 1:
+    7.66 ms against 8.50). B = 1, where nothing else runs, measures them: the steps come out at the true
+    replica's, whose mean time per token the profile holds."""
+    write_profile(tmp_path, TRUE)
+    for path in tmp_path.glob("*.json"):
+        data = json.loads(path.read_text())
+        data["point"]["itl_ms"]["p50"] *= 0.88
+        path.write_text(json.dumps(data))
+    fitted, rows = calibrate(tmp_path, FACTS)
+    assert_steps(fitted.step_s, TRUE.step_s, rel=0.001)
+    for row in rows:
         assert row.sim_tpot_mean_ms == pytest.approx(row.tpot_mean_ms, rel=0.05)
 
 
@@ -275,7 +296,8 @@ def test_rounds_of_one_profile_are_fitted_point_by_point_from_the_median_round(t
         write_profile(tmp_path / name, model)
     fitted, rows = calibrate(tmp_path / "slow", FACTS, iters=20, extra=[tmp_path / "true", tmp_path / "fast4"])
     alone, _ = calibrate(tmp_path / "true", FACTS, iters=20)
-    assert fitted.step_s == TRUE.step_s and fitted == replace(alone, source=fitted.source)
+    assert_steps(fitted.step_s, TRUE.step_s, rel=0.05)
+    assert fitted == replace(alone, source=fitted.source)
     assert len(rows) == len(TRUE.step_s)
     assert all(str(tmp_path / name) in fitted.source["profile"] for name in ("slow", "true", "fast4"))
     single, _ = calibrate(tmp_path / "fast4", FACTS, iters=5)
