@@ -29,7 +29,7 @@ MAX_ERROR_BODY = 64 * 1024
 
 
 class StreamingClient:
-    """Sends request i to host i mod len(hosts) and measures it into a RequestRecord."""
+    """Sends each request to one of the hosts (`LoadConfig.host_of`) and measures it into a RequestRecord."""
 
     def __init__(self, config: LoadConfig, api_key: str | None = None,
                  clock: Callable[[], float] = time.perf_counter) -> None:
@@ -64,7 +64,7 @@ class StreamingClient:
 
     def exchange(self, request: RequestSpec, scheduled_s: float | None) -> tuple[RequestRecord, str]:
         """Send one streaming request; its record and the reply's text ("" when it failed)."""
-        target = (request.index if request.conversation is None else request.conversation) % len(self._clients)
+        target = self._config.host_of(request)
         body = json.dumps(request_body(self._config.model, self._config.endpoint, request,
                                        self._config.ignore_eos)).encode()
         sent = self.now()

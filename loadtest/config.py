@@ -15,10 +15,11 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from loadtest.schedules import ARRIVALS, ArrivalSpec
-from loadtest.workloads import WORKLOADS, WorkloadSpec
+from loadtest.workloads import WORKLOADS, RequestSpec, WorkloadSpec
 
 ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 MODES = ("open", "closed")
+CHAT_HOSTS = ("conversation", "turn")  # with several hosts: a conversation keeps one, or each turn takes the next
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,7 @@ class LoadConfig:
     drain_timeout: float = 120.0  # how long to wait for requests in flight after the last send
     ignore_eos: bool = True
     max_connections: int = 10_000  # per host; more in flight than this would queue in the client
+    chat_hosts: str = "conversation"  # multi-turn over several hosts: each conversation on one, or turn by turn
 
     def __post_init__(self) -> None:
         if not self.hosts:
@@ -64,6 +66,16 @@ class LoadConfig:
                 raise ValueError(f"{name} {getattr(self, name)!r} must be > 0 seconds")
         if self.max_connections < 1:
             raise ValueError(f"max connections {self.max_connections!r} must be >= 1")
+        if self.chat_hosts not in CHAT_HOSTS:
+            raise ValueError(f"chat hosts {self.chat_hosts!r} is not one of {', '.join(CHAT_HOSTS)}")
+
+    def host_of(self, request: RequestSpec) -> int:
+        """Which host takes `request`: request i host i mod N; a conversation's turns its own host, or with
+        `chat_hosts` "turn" turn t of conversation c host (c + t) mod N."""
+        if request.conversation is None:
+            return request.index % len(self.hosts)
+        step = (request.turn or 0) if self.chat_hosts == "turn" else 0
+        return (request.conversation + step) % len(self.hosts)
 
     @property
     def path(self) -> str:
@@ -113,6 +125,9 @@ def add_arguments(parser: Any) -> None:
     add("--read-timeout", default="600", help="seconds to wait for any byte, the first token included")
     add("--drain-timeout", default="120", help="seconds to wait for requests in flight after the last send")
     add("--max-connections", default="10000", help="connections per host")
+    add("--chat-hosts", default="conversation", choices=list(CHAT_HOSTS),
+        help="multiturn over several hosts: conversation i keeps host i mod N (one client, one base URL), or turn: "
+             "each turn goes to the next host (clients behind a load balancer that spreads requests)")
 
 
 def _text(value: object) -> str:
@@ -196,6 +211,7 @@ def config_from_options(opts: Any, hosts: tuple[str, ...], out_dir: str | None) 
         drain_timeout=_number("drain timeout", opts.drain_timeout, float),
         ignore_eos=_text(opts.ignore_eos).lower() == "true",
         max_connections=_number("max connections", opts.max_connections, int),
+        chat_hosts=_text(opts.chat_hosts),
     )
 
 
@@ -223,6 +239,7 @@ def to_argv(config: LoadConfig) -> list[str]:
         "--ignore-eos": "true" if config.ignore_eos else "false",
         "--connect-timeout": repr(config.connect_timeout), "--read-timeout": repr(config.read_timeout),
         "--drain-timeout": repr(config.drain_timeout), "--max-connections": str(config.max_connections),
+        "--chat-hosts": config.chat_hosts,
     }
     return [f"{name}={value}" for name, value in values.items()]
 

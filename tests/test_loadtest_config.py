@@ -15,7 +15,7 @@ from loadtest.cli import main, parse_targets
 from loadtest.config import LoadConfig, config_from_dict, config_from_options, make_parser, split_hosts, to_argv
 from loadtest.runner import LOCUSTFILE, locust_command
 from loadtest.schedules import ArrivalSpec, poisson
-from loadtest.workloads import WorkloadSpec
+from loadtest.workloads import RequestSpec, WorkloadSpec
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -33,7 +33,7 @@ def test_options_round_trip_through_to_argv() -> None:
     """Parsing to_argv(config) gives back the same config, for every field."""
     config = _config(
         endpoint="chat", mode="closed", concurrency=7, num_requests=90, ignore_eos=False, read_timeout=33.0,
-        connect_timeout=2.5, drain_timeout=4.0, max_connections=50,
+        connect_timeout=2.5, drain_timeout=4.0, max_connections=50, chat_hosts="turn",
         arrival=ArrivalSpec(kind="ramp", rate=2.5, duration=42.0, burstiness=0.25, burst_size=3, burst_period=7.5,
                             steps=((0.0, 1.0), (10.0, 4.5)), seed=11),
         workload=WorkloadSpec(kind="mix", input_len=100, output_len=20, range_ratio=0.3, sigma=0.9,
@@ -80,6 +80,20 @@ def test_hosts_are_checked_and_split() -> None:
     assert split_hosts(["http://a:1/,http://b:2", "https://c"]) == ("http://a:1", "http://b:2", "https://c")
     with pytest.raises(ValueError, match="'localhost:8000' is not an http"):
         _config(hosts=("localhost:8000",))
+
+
+def test_requests_spread_over_the_hosts_and_conversations_keep_theirs_or_go_turn_by_turn() -> None:
+    """Request i goes to host i mod N; a conversation keeps host c mod N, or with --chat-hosts turn its turn t goes
+    to host (c + t) mod N (behind a load balancer); another value is refused by name."""
+    hosts = ("http://a:1", "http://b:2", "http://c:3")
+    single = [RequestSpec(i, "p", 8, 4) for i in range(4)]
+    assert [_config(hosts=hosts).host_of(r) for r in single] == [0, 1, 2, 0]
+    turns = [RequestSpec(10 + t, "p", 8, 4, conversation=4, turn=t) for t in range(4)]
+    assert [_config(hosts=hosts).host_of(r) for r in turns] == [1, 1, 1, 1]
+    assert [_config(hosts=hosts, chat_hosts="turn").host_of(r) for r in turns] == [1, 2, 0, 1]
+    assert _parse(["--model", "m", "--chat-hosts", "turn"]).chat_hosts == "turn"
+    with pytest.raises(ValueError, match="chat hosts 'gateway'"):
+        _config(chat_hosts="gateway")
 
 
 def test_targets_parse_names_and_round_robin_urls() -> None:
