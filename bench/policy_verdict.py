@@ -153,7 +153,8 @@ def verdict(dirs: Sequence[Path]) -> str:
     table = pooled(runs)
     if not table:
         raise ValueError("no real single-turn runs in " + ", ".join(map(str, dirs)))
-    policies = [p for p in POLICIES if any(p in by for by in table.values())]
+    present = {p for by in table.values() for p in by}
+    policies = [p for p in POLICIES if p in present] + sorted(present - set(POLICIES))  # e.g. estimated_ttft
     body = [[pt, *(f"{by[p][0]:.0f} ({by[p][1]}, {by[p][2]})" if p in by else "" for p in policies)]
             for pt, by in table.items()]
     lines = [f"Real vLLM-CPU, p99 TTFT in ms pooled over {len(dirs)} run director{'y' if len(dirs) == 1 else 'ies'} "
