@@ -46,7 +46,7 @@ from deploy.tinymodel import ensure_tiny_model
 
 from .common import markdown_table, save
 from .engine_speed import counters
-from .sim_vs_real import CHAT, hash_text, process, python, serve_sim, spawn, stop
+from .sim_vs_real import CHAT, gateway_config, hash_text, process, python, serve_sim, spawn, stop
 from .sim_vs_real_calibration import MODEL
 
 LAYOUTS = ("one", "fleet")
@@ -87,15 +87,6 @@ class Setup:
                 k = seed % len(self.policies)
                 out += [Run(layout, seed, p) for p in self.policies[k:] + self.policies[:k]]
         return out
-
-
-def gateway_config(base: dict[str, Any], replicas: Sequence[str], policy: str, port: int, workers: int
-                   ) -> dict[str, Any]:
-    """The deployment's gateway config (`deploy up`'s gateway.yaml) with this policy, port and worker count."""
-    config = {k: v for k, v in base.items() if k not in ("admin_key", "host")}
-    config["replicas"] = [{**r, "url": url} for r, url in zip(base["replicas"], replicas)]
-    config.update(policy=policy, port=port, workers=workers)
-    return config
 
 
 def wait_serving(proc: subprocess.Popen[bytes], log: Path, replicas: int, timeout_s: float = SERVE_TIMEOUT_S
@@ -142,7 +133,7 @@ def fleet(base: dict[str, Any], replicas: Sequence[str], run: Run, setup: Setup,
     procs: list[subprocess.Popen[bytes]] = []
     try:
         for g in range(count):
-            config = gateway_config(base, replicas, run.policy, setup.port + g, workers)
+            config = {**gateway_config(base, replicas, run.policy, setup.port + g), "workers": workers}
             procs.append(start_gateway(config, directory / f"gateway-{g}-0.yaml", directory / f"gateway-{g}-0.log")[0])
         yield procs
     finally:
@@ -170,7 +161,7 @@ def measure(run: Run, setup: Setup, base: dict[str, Any], replicas: Sequence[str
                 time.sleep(setup.restart_at)
                 at = counters(replicas, HITS)
                 restarted["at_unix"] = time.time()
-                config = gateway_config(base, replicas, run.policy, setup.port, setup.workers)
+                config = {**gateway_config(base, replicas, run.policy, setup.port), "workers": setup.workers}
                 procs[0], timing = restart(procs[0], config, directory, 1)
                 restarted.update(timing)
             code = load.wait(setup.duration + 600)

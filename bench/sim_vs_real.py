@@ -201,16 +201,21 @@ def cpu_use(before: tuple[float, list[float], list[float]], after: tuple[float, 
                                                                                if not math.isnan(r))}
 
 
+def gateway_config(base: dict[str, Any], replicas: Sequence[str], policy: str, port: int) -> dict[str, Any]:
+    """deploy's gateway config (its gateway.yaml) with other replica URLs, this policy and port, no admin key."""
+    config = {k: v for k, v in base.items() if k not in ("admin_key", "host")}
+    config["replicas"] = [{**r, "url": url} for r, url in zip(base["replicas"], replicas)]
+    config.update(policy=policy, port=port)
+    return config
+
+
 def gateway_configs(base: dict[str, Any], replicas: Sequence[str], policies: Sequence[str], port: int,
                     directory: Path) -> dict[str, Path]:
-    """deploy's gateway config with other replica URLs, a policy and a port each, no admin key."""
+    """`gateway_config` for each policy, on consecutive ports, each written to a file in `directory`."""
     out = {}
     for i, policy in enumerate(policies):
-        config = {k: v for k, v in base.items() if k not in ("admin_key", "host")}
-        config["replicas"] = [{**r, "url": url} for r, url in zip(base["replicas"], replicas)]
-        config.update(policy=policy, port=port + i)
         path = directory / f"gateway-{policy}.yaml"
-        path.write_text(yaml.safe_dump(config))
+        path.write_text(yaml.safe_dump(gateway_config(base, replicas, policy, port + i)))
         out[policy] = path
     return out
 
