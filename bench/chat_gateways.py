@@ -105,6 +105,20 @@ def wait_serving(proc: subprocess.Popen[bytes], log: Path, replicas: int, timeou
     raise RuntimeError(f"the gateway did not serve in {timeout_s:.0f} s; see {log}")
 
 
+def wait_load_started(load: subprocess.Popen[bytes], log: Path, timeout_s: float = SERVE_TIMEOUT_S) -> None:
+    """Until the load generator logs (to its Locust log, `log`) that its schedule starts ("open loop: N
+    conversations"): Locust's import and the tokenizer take seconds on a busy machine, and a restart timed from the
+    spawn could come before the load (as it once did in the suite)."""
+    start = time.monotonic()
+    while time.monotonic() - start < timeout_s:
+        if load.poll() is not None:
+            raise RuntimeError(f"the load generator exited ({load.returncode}) before its schedule; see {log}")
+        if log.exists() and "open loop: " in log.read_text(errors="replace"):
+            return
+        time.sleep(0.05)
+    raise RuntimeError(f"the load generator did not start its schedule in {timeout_s:.0f} s; see {log}")
+
+
 def start_gateway(config: dict[str, Any], path: Path, log: Path) -> tuple[subprocess.Popen[bytes], float]:
     path.write_text(yaml.safe_dump(config))
     proc = spawn([python(), "-m", "gateway.cli", "serve", "--config", str(path), "--host", "127.0.0.1"], log)
@@ -158,6 +172,7 @@ def measure(run: Run, setup: Setup, base: dict[str, Any], replicas: Sequence[str
         at = None
         try:
             if run.layout == "fleet":
+                wait_load_started(load, out / "locust.log")
                 time.sleep(setup.restart_at)
                 at = counters(replicas, HITS)
                 restarted["at_unix"] = time.time()
