@@ -14,7 +14,6 @@ front end and the prefill per token; prompts together show how the engine batche
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import statistics
@@ -27,7 +26,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from .engine_speed import counters
-from .prefill_cost import _complete, served
+from .prefill_cost import complete, idle_replica_parser, served
 
 SHAPES: dict[str, tuple[int, ...]] = {
     "1 x 128": (128,), "2 x 128": (128,) * 2, "4 x 128": (128,) * 4, "8 x 128": (128,) * 8,
@@ -63,7 +62,7 @@ def probe(url: str, model: str, lengths: Sequence[int], rng: random.Random, time
     def send(prompt: list[int]) -> None:
         started = time.perf_counter()
         try:
-            _complete(url, model, prompt, timeout_s)
+            complete(url, model, prompt, timeout_s)
         except (urllib.error.URLError, OSError) as exc:
             errors.append(exc)
         else:
@@ -89,7 +88,7 @@ def measure(url: str, reps: int, seed: int = 0, shapes: dict[str, tuple[int, ...
     """Every shape that fits the replica's context, `reps` times, on the idle replica at `url`."""
     model, max_model_len = served(url)
     rng = random.Random(seed)
-    _complete(url, model, [rng.randrange(4, 1000) for _ in range(16)], 60.0)  # the first request's warm-up
+    complete(url, model, [rng.randrange(4, 1000) for _ in range(16)], 60.0)  # the first request's warm-up
     readings = []
     for name, lengths in (shapes or SHAPES).items():
         if max_model_len is not None and max(lengths) + 1 > max_model_len:
@@ -104,11 +103,8 @@ def measure(url: str, reps: int, seed: int = 0, shapes: dict[str, tuple[int, ...
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.burst_probe", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--replica", required=True, help="an idle replica's URL (vLLM, or sim serve)")
-    parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, help="write the readings here (JSON)")
+    parser = idle_replica_parser("python -m bench.burst_probe", __doc__, "an idle replica's URL (vLLM, or sim serve)",
+                                 "write the readings here (JSON)")
     args = parser.parse_args(argv)
     if args.reps < 1:
         parser.error("--reps must be at least 1")

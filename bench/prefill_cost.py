@@ -83,7 +83,7 @@ def fit(readings: Sequence[Reading]) -> Fit:
     return Fit(base, per_token, per_pair, tuple(float(e) for e in x @ coef / y - 1))
 
 
-def _complete(url: str, model: str, prompt: list[int], timeout_s: float) -> None:
+def complete(url: str, model: str, prompt: list[int], timeout_s: float) -> None:
     body = json.dumps({"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0}).encode()
     request = urllib.request.Request(url + "/v1/completions", body, {"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=timeout_s) as resp:
@@ -108,16 +108,16 @@ def measure(url: str, model: str, cells: Sequence[tuple[int, int]], reps: int, s
     """Each cell `reps` times, one request at a time, on the replica at `url` serving `model` (see the module's
     text)."""
     rng = random.Random(seed)
-    _complete(url, model, [rng.randrange(*vocab) for _ in range(64)], timeout_s)  # the first request's warm-up
+    complete(url, model, [rng.randrange(*vocab) for _ in range(64)], timeout_s)  # the first request's warm-up
     readings = []
     for cached, new in cells:
         times, hits = [], []
         for _ in range(reps):
             prefix = [rng.randrange(*vocab) for _ in range(cached)]
             if cached:
-                _complete(url, model, prefix + [rng.randrange(*vocab)], timeout_s)
+                complete(url, model, prefix + [rng.randrange(*vocab)], timeout_s)
             before = counters([url], (*PREFILL, HITS))
-            _complete(url, model, prefix + [rng.randrange(*vocab) for _ in range(new)], timeout_s)
+            complete(url, model, prefix + [rng.randrange(*vocab) for _ in range(new)], timeout_s)
             after = counters([url], (*PREFILL, HITS))
             count = after[PREFILL[1]] - before[PREFILL[1]]
             if count != 1:
@@ -149,12 +149,20 @@ def record(url: str, readings: Sequence[Reading], result: Fit) -> dict[str, Any]
     return {"replica": url, "readings": [asdict(r) for r in readings], "fit": asdict(result)}
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.prefill_cost", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--replica", required=True, help="an idle vLLM replica's URL (prefix caching on)")
+def idle_replica_parser(prog: str, doc: str, replica: str, out: str) -> argparse.ArgumentParser:
+    """The command line of a probe of one idle replica (this one, `bench.burst_probe`): --replica, --reps, --seed,
+    --out."""
+    parser = argparse.ArgumentParser(prog=prog, description=doc.split("\n\n")[0])
+    parser.add_argument("--replica", required=True, help=replica)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, help="write the readings and the fit here (JSON)")
+    parser.add_argument("--out", type=Path, help=out)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = idle_replica_parser("python -m bench.prefill_cost", __doc__, "an idle vLLM replica's URL (prefix caching "
+                                 "on)", "write the readings and the fit here (JSON)")
     args = parser.parse_args(argv)
     url = args.replica.rstrip("/")
     try:
