@@ -84,13 +84,13 @@ def probe(url: str, model: str, lengths: Sequence[int], rng: random.Random, time
     return statistics.mean(times) * 1e3, per[TTFT], per[QUEUE], per[PREFILL]
 
 
-def measure(url: str, reps: int, seed: int = 0, shapes: dict[str, tuple[int, ...]] | None = None) -> list[Reading]:
+def measure(url: str, reps: int, seed: int = 0) -> list[Reading]:
     """Every shape that fits the replica's context, `reps` times, on the idle replica at `url`."""
     model, max_model_len = served(url)
     rng = random.Random(seed)
     complete(url, model, [rng.randrange(4, 1000) for _ in range(16)], 60.0)  # the first request's warm-up
     readings = []
-    for name, lengths in (shapes or SHAPES).items():
+    for name, lengths in SHAPES.items():
         if max_model_len is not None and max(lengths) + 1 > max_model_len:
             continue
         rows = [probe(url, model, lengths, rng) for _ in range(reps)]

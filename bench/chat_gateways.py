@@ -33,7 +33,7 @@ import math
 import subprocess
 import time
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -89,34 +89,32 @@ class Setup:
         return out
 
 
-def wait_serving(proc: subprocess.Popen[bytes], log: Path, replicas: int, timeout_s: float = SERVE_TIMEOUT_S
-                 ) -> float:
-    """Seconds until the gateway logs that it serves ("gateway on HOST:PORT", with or without workers) and that
-    every replica is healthy (a gateway takes none as healthy before its first probe). Its log, not its port: the
-    port may answer from the gateway it replaces."""
+def wait_log(proc: subprocess.Popen[bytes], log: Path, done: Callable[[str], bool], who: str, goal: str,
+             timeout_s: float = SERVE_TIMEOUT_S) -> float:
+    """Seconds until `done(text of log)`; `who` exiting first, or `timeout_s` passing, is an error naming `goal`."""
     start = time.monotonic()
     while time.monotonic() - start < timeout_s:
         if proc.poll() is not None:
-            raise RuntimeError(f"the gateway exited ({proc.returncode}); see {log}")
-        text = log.read_text(errors="replace") if log.exists() else ""
-        if "gateway on " in text and text.count(" is healthy") >= replicas:
+            raise RuntimeError(f"{who} exited ({proc.returncode}) before {goal}; see {log}")
+        if done(log.read_text(errors="replace") if log.exists() else ""):
             return time.monotonic() - start
         time.sleep(0.05)
-    raise RuntimeError(f"the gateway did not serve in {timeout_s:.0f} s; see {log}")
+    raise RuntimeError(f"{who} did not reach {goal} in {timeout_s:.0f} s; see {log}")
 
 
-def wait_load_started(load: subprocess.Popen[bytes], log: Path, timeout_s: float = SERVE_TIMEOUT_S) -> None:
+def wait_serving(proc: subprocess.Popen[bytes], log: Path, replicas: int) -> float:
+    """Seconds until the gateway logs that it serves ("gateway on HOST:PORT", with or without workers) and that
+    every replica is healthy (a gateway takes none as healthy before its first probe). Its log, not its port: the
+    port may answer from the gateway it replaces."""
+    return wait_log(proc, log, lambda text: "gateway on " in text and text.count(" is healthy") >= replicas,
+                    "the gateway", "serving")
+
+
+def wait_load_started(load: subprocess.Popen[bytes], log: Path) -> None:
     """Until the load generator logs (to its Locust log, `log`) that its schedule starts ("open loop: N
     conversations"): Locust's import and the tokenizer take seconds on a busy machine, and a restart timed from the
     spawn could come before the load (as it once did in the suite)."""
-    start = time.monotonic()
-    while time.monotonic() - start < timeout_s:
-        if load.poll() is not None:
-            raise RuntimeError(f"the load generator exited ({load.returncode}) before its schedule; see {log}")
-        if log.exists() and "open loop: " in log.read_text(errors="replace"):
-            return
-        time.sleep(0.05)
-    raise RuntimeError(f"the load generator did not start its schedule in {timeout_s:.0f} s; see {log}")
+    wait_log(load, log, lambda text: "open loop: " in text, "the load generator", "its schedule")
 
 
 def start_gateway(config: dict[str, Any], path: Path, log: Path) -> tuple[subprocess.Popen[bytes], float]:

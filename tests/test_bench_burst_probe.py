@@ -4,17 +4,13 @@ itself, its JSON, and its errors. The real replica's readings are in docs/sim.md
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
-import urllib.request
+from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
 
 from bench.burst_probe import SHAPES, Reading, main
+from bench.sim_vs_real import serve_sim
 from deploy.ports import free_ports
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -25,25 +21,10 @@ def test_a_burst_costs_more_than_a_prompt_alone_and_vllms_split_adds_up(tmp_path
     """Every shape read once: vLLM's TTFT is its API server's part + queue + prefill, the client's TTFT is no
     shorter, eight prompts together wait longer for their first token than one, and one of 1,024 tokens prefills
     longer than one of 128."""
-    port = free_ports(1)
-    proc = subprocess.Popen([sys.executable, "-m", "sim.cli", "serve", "--config", str(MODEL), "--port", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, "sim serve exited"
-            try:
-                with urllib.request.urlopen(url + "/health", timeout=2):
-                    break
-            except OSError:
-                assert time.monotonic() < deadline, "sim serve did not become healthy"
-                time.sleep(0.1)
-        out = tmp_path / "probe.json"
-        assert main(["--replica", url, "--reps", "1", "--out", str(out)]) == 0
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=10)
+    out = tmp_path / "probe.json"
+    with ExitStack() as stack:
+        urls, _ = serve_sim(stack, str(MODEL), 1, free_ports(1), tmp_path / "sim.log")
+        assert main(["--replica", urls[0], "--reps", "1", "--out", str(out)]) == 0
     rows = {r["shape"]: r for r in json.loads(out.read_text())["readings"]}
     assert list(rows) == list(SHAPES)
     for r in rows.values():
