@@ -9,7 +9,13 @@ request's way in (tokenizing, handing over to the engine core) and its first tok
 Run it on a real replica and on `sim serve --config` of its calibration, side by side: a prompt alone shows the
 front end and the prefill per token; prompts together show how the engine batches a burst.
 
+`--background 0,4,16` probes a replica under load instead: with that many requests streaming long outputs
+(`ignore_eos`, started before and dropped after), the prompts of `LOADED_SHAPES`, and the background's own mean
+gap between tokens meanwhile (its step). An API server that works for every streamed token delays a new request
+more the more requests it streams.
+
     python -m bench.burst_probe --replica http://127.0.0.1:8001 [--reps 5] [--out runs/burst_probe.json]
+    python -m bench.burst_probe --replica http://127.0.0.1:8001 --background 0,4,8,16,24
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import sys
 import threading
 import time
 import urllib.error
+import urllib.request
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -31,6 +38,7 @@ from .prefill_cost import complete, idle_replica_parser, served
 SHAPES: dict[str, tuple[int, ...]] = {
     "1 x 128": (128,), "2 x 128": (128,) * 2, "4 x 128": (128,) * 4, "8 x 128": (128,) * 8,
     "1 x 512": (512,), "1 x 1024": (1024,), "1024 + 4 x 128": (1024,) + (128,) * 4}
+LOADED_SHAPES = ("1 x 128", "4 x 128", "1 x 1024")
 TTFT, QUEUE = "vllm:time_to_first_token_seconds_sum", "vllm:request_queue_time_seconds_sum"
 PREFILL, COUNT = "vllm:request_prefill_time_seconds_sum", "vllm:request_prefill_time_seconds_count"
 
@@ -84,6 +92,12 @@ def probe(url: str, model: str, lengths: Sequence[int], rng: random.Random, time
     return statistics.mean(times) * 1e3, per[TTFT], per[QUEUE], per[PREFILL]
 
 
+def medians(shape: str, rows: Sequence[tuple[float, float, float, float]]) -> Reading:
+    """A shape's reading: the median of each of `probe`'s four figures over its reps."""
+    client, ttft, queue, prefill = (statistics.median(r[i] for r in rows) for i in range(4))
+    return Reading(shape, client, ttft, queue, prefill, reps=len(rows))
+
+
 def measure(url: str, reps: int, seed: int = 0) -> list[Reading]:
     """Every shape that fits the replica's context, `reps` times, on the idle replica at `url`."""
     model, max_model_len = served(url)
@@ -93,8 +107,7 @@ def measure(url: str, reps: int, seed: int = 0) -> list[Reading]:
     for name, lengths in SHAPES.items():
         if max_model_len is not None and max(lengths) + 1 > max_model_len:
             continue
-        rows = [probe(url, model, lengths, rng) for _ in range(reps)]
-        reading = Reading(name, *(statistics.median(r[i] for r in rows) for i in range(4)), reps=reps)
+        reading = medians(name, [probe(url, model, lengths, rng) for _ in range(reps)])
         readings.append(reading)
         print(f"{name:>15}: client TTFT {reading.client_ttft_ms:6.1f} ms; vLLM's TTFT {reading.ttft_ms:6.1f} = "
               f"API server {reading.api_server_ms:5.1f} + queue {reading.queue_ms:5.1f} + prefill "
@@ -102,22 +115,143 @@ def measure(url: str, reps: int, seed: int = 0) -> list[Reading]:
     return readings
 
 
+class Background:
+    """`n` requests streaming `tokens` tokens each (`ignore_eos`) for as long as the `with` block runs: entering
+    waits until each has its first token; leaving closes their connections (the replica aborts them)."""
+
+    def __init__(self, url: str, model: str, n: int, tokens: int, rng: random.Random, timeout_s: float = 60.0) -> None:
+        self.url, self.model, self.tokens, self.timeout_s = url, model, tokens, timeout_s
+        self.prompts = [[rng.randrange(4, 1000) for _ in range(16)] for _ in range(n)]
+        self.chunks = [0] * n
+        self.errors: list[BaseException] = []
+        self._started = [threading.Event() for _ in range(n)]
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._stream, args=(i,), daemon=True) for i in range(n)]
+
+    def _stream(self, i: int) -> None:
+        body = json.dumps({"model": self.model, "prompt": self.prompts[i], "max_tokens": self.tokens, "stream": True,
+                           "ignore_eos": True, "temperature": 0}).encode()
+        request = urllib.request.Request(self.url + "/v1/completions", body, {"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout_s) as resp:
+                for line in resp:
+                    if line.startswith(b"data: {"):
+                        self.chunks[i] += 1
+                        self._started[i].set()
+                    if self._stop.is_set():
+                        return
+            if not self._stop.is_set():
+                self.errors.append(RuntimeError(f"a background request ended after {self.chunks[i]} chunks"))
+        except (urllib.error.URLError, OSError) as exc:
+            self.errors.append(exc)
+        finally:
+            self._started[i].set()
+
+    def __enter__(self) -> Background:
+        for thread in self._threads:
+            thread.start()
+        for started in self._started:
+            started.wait(self.timeout_s)
+        if self.errors:
+            raise RuntimeError(f"{self.url}: a background request failed: {self.errors[0]}")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(self.timeout_s)
+
+    def check(self) -> None:
+        if self.errors:
+            raise RuntimeError(f"{self.url}: a background request failed or ended early: {self.errors[0]}")
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """The probes of `LOADED_SHAPES` with `background` requests streaming meanwhile; before them, over `window_s`
+    with nothing else sent, the engine's mean step (its generated tokens over the time, per background request) and
+    the background's tokens a chunk (above 1 where the API server merged tokens it had not yet sent)."""
+
+    background: int
+    step_ms: float
+    tokens_a_chunk: float
+    readings: tuple[Reading, ...]
+
+
+GENERATED = "vllm:generation_tokens_total"
+
+
+def decoding(url: str, background: Background, window_s: float) -> tuple[float, float]:
+    """The engine's mean step (ms) and the background's tokens a chunk over `window_s` with nothing else sent. Read
+    apart from the probes: a real replica's /metrics costs its API server about 11 ms (the probes read it twice
+    each), `sim serve`'s next to nothing, so a step read over the probes would not compare."""
+    n = len(background.chunks)
+    made, chunks, start = counters([url], (GENERATED,))[GENERATED], sum(background.chunks), time.perf_counter()
+    time.sleep(window_s)
+    made = counters([url], (GENERATED,))[GENERATED] - made
+    took, chunks = time.perf_counter() - start, sum(background.chunks) - chunks
+    if not n or made <= 0 or not chunks:
+        return float("nan"), float("nan")
+    return n * took / made * 1e3, made / chunks
+
+
+def measure_loaded(url: str, backgrounds: Sequence[int], reps: int, seed: int = 0,
+                   window_s: float = 1.0) -> list[Loaded]:
+    """`LOADED_SHAPES`, `reps` times each, under each count of background streams, on the replica at `url`."""
+    model, max_model_len = served(url)
+    rng = random.Random(seed)
+    complete(url, model, [rng.randrange(4, 1000) for _ in range(16)], 60.0)  # the first request's warm-up
+    tokens = min(max_model_len or 2048, 2048) - 17
+    results = []
+    for n in backgrounds:
+        with Background(url, model, n, tokens, rng) as background:
+            time.sleep(0.5)  # past the background's own prefills
+            step_ms, per_chunk = decoding(url, background, window_s)
+            readings = []
+            for name in LOADED_SHAPES:
+                readings.append(medians(name, [probe(url, model, SHAPES[name], rng) for _ in range(reps)]))
+            background.check()
+        results.append(Loaded(n, step_ms, per_chunk, tuple(readings)))
+        print(f"background {n:3d} (a step every {step_ms:5.1f} ms, {per_chunk:4.2f} tokens a chunk): " + "; ".join(
+            f"{r.shape} TTFT {r.client_ttft_ms:6.1f} ms = API server {r.api_server_ms:5.1f} + queue {r.queue_ms:5.1f} "
+            f"+ prefill {r.prefill_ms:6.1f}" for r in readings), flush=True)
+    return results
+
+
+def _row(reading: Reading) -> dict[str, object]:
+    return {**asdict(reading), "api_server_ms": reading.api_server_ms}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = idle_replica_parser("python -m bench.burst_probe", __doc__, "an idle replica's URL (vLLM, or sim serve)",
                                  "write the readings here (JSON)")
+    parser.add_argument("--background", help="comma-separated counts of requests streaming meanwhile (e.g. 0,4,16): "
+                        "probe under that load instead of idle")
     args = parser.parse_args(argv)
     if args.reps < 1:
         parser.error("--reps must be at least 1")
+    try:
+        backgrounds = [int(n) for n in args.background.split(",")] if args.background else []
+    except ValueError:
+        parser.error(f"--background: comma-separated counts, got {args.background!r}")
+    if any(n < 0 for n in backgrounds):
+        parser.error("--background: counts cannot be negative")
     url = args.replica.rstrip("/")
     try:
-        readings = measure(url, args.reps, args.seed)
+        if backgrounds:
+            loaded = measure_loaded(url, backgrounds, args.reps, args.seed)
+            record = {"replica": url, "loaded": [
+                {"background": x.background, "step_ms": None if x.background == 0 else x.step_ms,
+                 "tokens_a_chunk": None if x.background == 0 else x.tokens_a_chunk, "readings": [_row(r) for r in x.readings]}
+                for x in loaded]}
+        else:
+            record = {"replica": url, "readings": [_row(r) for r in measure(url, args.reps, args.seed)]}
     except (urllib.error.URLError, OSError, KeyError, ValueError, RuntimeError) as exc:
         print(f"bench.burst_probe: {url}: {exc}", file=sys.stderr)
         return 1
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        rows = [{**asdict(r), "api_server_ms": r.api_server_ms} for r in readings]
-        args.out.write_text(json.dumps({"replica": url, "readings": rows}, indent=2) + "\n")
+        args.out.write_text(json.dumps(record, indent=2) + "\n")
     return 0
 
 
