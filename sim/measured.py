@@ -169,8 +169,7 @@ class FrontEnd:
     on an H200 at B >= 64, 2-4 tokens a chunk), so a busy front end delays first tokens and new requests alike.
 
     With a `core` (the engine's own device, `ReplicaModel.frontend_on_core`), each request's `service_s` is also
-    time the engine's steps stand still (`SharedDevice.block`); the streaming cost stays off the core (on vLLM-CPU
-    it fits near 0)."""
+    time the engine's steps stand still (`SharedDevice.block`); the streaming cost stays off the core."""
 
     def __init__(self, service_s: float, stream_s: float = 0.0, core: SharedDevice | None = None) -> None:
         self.service_s = service_s
