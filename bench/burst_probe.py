@@ -10,9 +10,9 @@ Run it on a real replica and on `sim serve --config` of its calibration, side by
 front end and the prefill per token; prompts together show how the engine batches a burst.
 
 `--background 0,4,16` probes a replica under load instead: with that many requests streaming long outputs
-(`ignore_eos`, started before and dropped after), the prompts of `LOADED_SHAPES`, and the background's own mean
-gap between tokens meanwhile (its step). An API server that works for every streamed token delays a new request
-more the more requests it streams.
+(`ignore_eos`, started before and dropped after), the prompts of `LOADED_SHAPES`, and before them the engine's
+step with the streams alone. An API server that works for every streamed token delays a new request more the more
+requests it streams.
 
     python -m bench.burst_probe --replica http://127.0.0.1:8001 [--reps 5] [--out runs/burst_probe.json]
     python -m bench.burst_probe --replica http://127.0.0.1:8001 --background 0,4,8,16,24
@@ -21,6 +21,7 @@ more the more requests it streams.
 from __future__ import annotations
 
 import json
+import math
 import random
 import statistics
 import sys
@@ -218,6 +219,11 @@ def measure_loaded(url: str, backgrounds: Sequence[int], reps: int, seed: int = 
     return results
 
 
+def _finite(value: float) -> float | None:
+    """JSON has no NaN: a figure not read (no streams, or no tokens made) is null."""
+    return None if math.isnan(value) else value
+
+
 def _row(reading: Reading) -> dict[str, object]:
     return {**asdict(reading), "api_server_ms": reading.api_server_ms}
 
@@ -241,9 +247,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if backgrounds:
             loaded = measure_loaded(url, backgrounds, args.reps, args.seed)
             record = {"replica": url, "loaded": [
-                {"background": x.background, "step_ms": None if x.background == 0 else x.step_ms,
-                 "tokens_a_chunk": None if x.background == 0 else x.tokens_a_chunk, "readings": [_row(r) for r in x.readings]}
-                for x in loaded]}
+                {"background": x.background, "step_ms": _finite(x.step_ms), "tokens_a_chunk": _finite(x.tokens_a_chunk),
+                 "readings": [_row(r) for r in x.readings]} for x in loaded]}
         else:
             record = {"replica": url, "readings": [_row(r) for r in measure(url, args.reps, args.seed)]}
     except (urllib.error.URLError, OSError, KeyError, ValueError, RuntimeError) as exc:
