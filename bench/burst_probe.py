@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .engine_speed import counters
+from .engine_speed import SAMPLED, counters
 from .prefill_cost import complete, idle_replica_parser, served
 
 SHAPES: dict[str, tuple[int, ...]] = {
@@ -99,11 +99,18 @@ def medians(shape: str, rows: Sequence[tuple[float, float, float, float]]) -> Re
     return Reading(shape, client, ttft, queue, prefill, reps=len(rows))
 
 
-def measure(url: str, reps: int, seed: int = 0) -> list[Reading]:
-    """Every shape that fits the replica's context, `reps` times, on the idle replica at `url`."""
+def warmed_up(url: str, seed: int) -> tuple[str, int | None, random.Random]:
+    """The replica's model and context length, after its first request (which costs more than any later one), and
+    the probes' random source."""
     model, max_model_len = served(url)
     rng = random.Random(seed)
-    complete(url, model, [rng.randrange(4, 1000) for _ in range(16)], 60.0)  # the first request's warm-up
+    complete(url, model, [rng.randrange(4, 1000) for _ in range(16)], 60.0)
+    return model, max_model_len, rng
+
+
+def measure(url: str, reps: int, seed: int = 0) -> list[Reading]:
+    """Every shape that fits the replica's context, `reps` times, on the idle replica at `url`."""
+    model, max_model_len, rng = warmed_up(url, seed)
     readings = []
     for name, lengths in SHAPES.items():
         if max_model_len is not None and max(lengths) + 1 > max_model_len:
@@ -179,17 +186,15 @@ class Loaded:
     readings: tuple[Reading, ...]
 
 
-GENERATED = "vllm:generation_tokens_total"
-
 
 def decoding(url: str, background: Background, window_s: float) -> tuple[float, float]:
     """The engine's mean step (ms) and the background's tokens a chunk over `window_s` with nothing else sent. Read
     apart from the probes: a real replica's /metrics costs its API server about 11 ms (the probes read it twice
     each), `sim serve`'s next to nothing, so a step read over the probes would not compare."""
     n = len(background.chunks)
-    made, chunks, start = counters([url], (GENERATED,))[GENERATED], sum(background.chunks), time.perf_counter()
+    made, chunks, start = counters([url], (SAMPLED,))[SAMPLED], sum(background.chunks), time.perf_counter()
     time.sleep(window_s)
-    made = counters([url], (GENERATED,))[GENERATED] - made
+    made = counters([url], (SAMPLED,))[SAMPLED] - made
     took, chunks = time.perf_counter() - start, sum(background.chunks) - chunks
     if not n or made <= 0 or not chunks:
         return float("nan"), float("nan")
@@ -199,9 +204,7 @@ def decoding(url: str, background: Background, window_s: float) -> tuple[float, 
 def measure_loaded(url: str, backgrounds: Sequence[int], reps: int, seed: int = 0,
                    window_s: float = 1.0) -> list[Loaded]:
     """`LOADED_SHAPES`, `reps` times each, under each count of background streams, on the replica at `url`."""
-    model, max_model_len = served(url)
-    rng = random.Random(seed)
-    complete(url, model, [rng.randrange(4, 1000) for _ in range(16)], 60.0)  # the first request's warm-up
+    model, max_model_len, rng = warmed_up(url, seed)
     tokens = min(max_model_len or 2048, 2048) - 17
     results = []
     for n in backgrounds:

@@ -14,10 +14,10 @@ tokens, O output tokens) one after another. From it:
   chunk at every B. The front end is one queue, in time order (vLLM's API server is one process): B requests
   sent together reach the engine `frontend_s` apart, and each chunk it streams back costs it `stream_s`; tokens
   made while their request's chunk still waits go out in that chunk. Where no tokens merged, `stream_s` starts at
-  1 us and the fit does not move it far (vLLM-CPU: 1 us), though the sweep would take about 0.7 ms a chunk from a
-  start there and `bench.burst_probe --background` measures about 0.5 ms a stream on vLLM-CPU (docs/sim.md,
-  "A prompt under streaming load"); on an H200 the API server was the limit past B = 64 and merged 2-5 tokens a
-  chunk;
+  1 us and the fit does not move it far (vLLM-CPU: 1 us), though started at 600 us it fits the same sweep better
+  at about 0.7 ms a chunk, and `bench.burst_probe --background` measures about 0.5 ms a stream on vLLM-CPU
+  (docs/sim.md, "A prompt under streaming load"); on an H200 the API server was the limit past B = 64 and merged
+  2-5 tokens a chunk;
 - the scheduler's limits (`max_num_seqs`, `max_num_batched_tokens`, chunked prefill, prefix caching) from the
   profile's vLLM arguments or the command line, the KV pool (blocks, block size) from the replica's
   `vllm:cache_config_info` as the profile recorded it, `max_model_len` likewise.
