@@ -96,7 +96,7 @@ def closed_loop(url: str, model: str, batch_size: int, requests: int, prompt: in
                 took = first_token_s(url, model, [own.randrange(4, 1000) for _ in range(prompt)], output, timeout_s)
                 with lock:
                     firsts.append(took)
-        except (OSError, RuntimeError) as exc:
+        except (OSError, RuntimeError, http.client.HTTPException) as exc:
             errors.append(exc)
 
     names = (TTFT, QUEUE, PREFILL, COUNT)
