@@ -200,7 +200,8 @@ def _profile_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[ty
                    help="what the replica runs on (auto: gpu when NVML finds one)")
     p.add_argument("--gpu-index", type=int, default=0, help="the GPU NVML samples (0)")
     p.add_argument("--metrics-interval", type=float, default=0.5, help="seconds between /metrics scrapes")
-    p.add_argument("--warmup", type=int, default=2, help="warm-up requests before each point (2)")
+    p.add_argument("--warmup", type=int, help="warm-up requests before each point (default: one round, as many as "
+                   "the point's batch size, sent together)")
     p.add_argument("--prompt-seed", type=int, default=0, help="another seed, other prompts: for a replica profiled "
                    "again, whose prefix cache holds the first profile's prompts (0)")
     p.add_argument("--dry-run", action="store_true", help="print the runs without running them")

@@ -31,7 +31,7 @@ from planner.workload import RequestSpec, WorkloadSource
 logger = logging.getLogger(__name__)
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
-WARMUP_OFFSET = 10**9  # prompt indices: warmup, then 10**6 per B, so no prompt repeats across points
+WARMUP_OFFSET = 10**9  # prompt indices: 10**6 per B, its warm-up this far on, so no prompt repeats across points
 SEED_STRIDE = 10**10  # ... and another prompt seed starts this far on: no prompt of one seed's profile in another's
 
 
@@ -47,7 +47,7 @@ class ProfileConfig:
     out: Path
     batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES
     num_requests: int | None = None  # None: default_num_requests(B)
-    warmup_requests: int = 2
+    warmup_requests: int | None = None  # None: one round at the point's batch size (see `warmup_for`)
     model_name: str | None = None  # the name requests carry; None: the replica's first /v1/models entry
     metrics_interval_s: float = 0.5
     progress_interval_s: float = 5.0
@@ -62,10 +62,17 @@ class ProfileConfig:
             raise PlannerError(f"batch sizes are listed twice: {list(self.batch_sizes)}")
         if self.num_requests is not None and self.num_requests < 1:
             raise PlannerError(f"--num-requests must be >= 1, got {self.num_requests}")
-        if self.warmup_requests < 0 or self.metrics_interval_s <= 0:
+        if (self.warmup_requests is not None and self.warmup_requests < 0) or self.metrics_interval_s <= 0:
             raise PlannerError("--warmup must be >= 0 and --metrics-interval > 0")
         if self.prompt_seed < 0:
             raise PlannerError(f"--prompt-seed must be >= 0, got {self.prompt_seed}")
+
+    def warmup_for(self, batch_size: int) -> int:
+        """Warm-up requests before the point at `batch_size`: as configured, else one round of `batch_size` sent
+        together. A vLLM-CPU replica just started took 401 ms to prefill its first round of 16 prompts of 256 tokens
+        and 231-242 ms for each round after it (`bench.round_probe`, docs/sim.md); a warm-up of 2 requests left that
+        first round in the point."""
+        return batch_size if self.warmup_requests is None else self.warmup_requests
 
     def requests_for(self, batch_size: int) -> int:
         return self.num_requests or default_num_requests(batch_size)
@@ -158,8 +165,9 @@ class Profiler:
         seed = self.config.prompt_seed * SEED_STRIDE
         async with aiohttp.ClientSession() as session:
             model = self.config.model_name or await served_model(session, url)
-            if self.config.warmup_requests:
-                warm = self.workload.requests(self.config.warmup_requests, WARMUP_OFFSET + seed)
+            warmup = self.config.warmup_for(batch)
+            if warmup:
+                warm = self.workload.requests(warmup, WARMUP_OFFSET + seed + batch * 10**6)
                 await run_load(session, url, model, warm, batch, timeouts)
             requests = self.workload.requests(n, seed + batch * 10**6)
             progress = Progress(self.out, batch, n, self.config.progress_interval_s)

@@ -31,8 +31,8 @@ DATA = Path(__file__).resolve().parent / "data"
 
 
 def profiler(tmp_path: Path, url: str, gpu: GpuSampler | None = None, **config: Any) -> Profiler:
-    sweep = ProfileConfig(out=tmp_path / "prof", model_name="fake-model", warmup_requests=1,
-                          metrics_interval_s=0.02, **config)
+    config.setdefault("warmup_requests", 1)
+    sweep = ProfileConfig(out=tmp_path / "prof", model_name="fake-model", metrics_interval_s=0.02, **config)
     workload = FixedLengths(16, 8, ApproximatePrompts())
     context = ProfileContext(model="fake-model", device="cpu", workload=workload.describe())
     return Profiler(sweep, RunningServer(url), workload, context, gpu, out=lambda line: None)
@@ -57,6 +57,27 @@ async def test_point_holds_b_requests_in_flight_and_times_them(aiohttp_server: A
     assert point.mean_running is not None and 0 < point.mean_running <= 4  # the engine's batch, not the client's
     assert point.metrics_missed == 0
     assert point.gpu is None  # no GPU: absent, not zero
+
+
+async def test_by_default_each_point_warms_up_with_one_round_of_new_prompts(aiohttp_server: Any,
+                                                                           tmp_path: Path) -> None:
+    """Without --warmup, the point at B first sends B requests together (a replica's first round at a new batch size
+    is slower than the rounds after it); the next point's warm-up prompts are new too, so a prefix cache cannot
+    answer them. An explicit --warmup still sets the count."""
+    server = await aiohttp_server(make_app(FakeBehavior(ttft_s=0.01, itl_s=0.001)))
+    url = str(server.make_url("")).rstrip("/")
+    sweep = profiler(tmp_path, url, num_requests=4, warmup_requests=None)
+    await sweep.measure(url, 3)
+    stats = server.app[STATS]
+    assert stats.finished == 3 + 4 and stats.max_running == 3
+    first = {body["prompt"] for body in stats.bodies}
+    await sweep.measure(url, 5)
+    assert stats.finished == 3 + 4 + 5 + 4
+    assert len({body["prompt"] for body in stats.bodies} - first) == 5 + 4  # the second point's warm-up: all new
+    assert [ProfileConfig(out=tmp_path).warmup_for(b) for b in (1, 16)] == [1, 16]
+    assert ProfileConfig(out=tmp_path, warmup_requests=2).warmup_for(16) == 2
+    with pytest.raises(PlannerError, match="--warmup must be >= 0"):
+        ProfileConfig(out=tmp_path, warmup_requests=-1)
 
 
 async def test_another_prompt_seed_sends_other_prompts(aiohttp_server: Any, tmp_path: Path) -> None:
