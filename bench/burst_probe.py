@@ -29,7 +29,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -77,20 +77,32 @@ def probe(url: str, model: str, lengths: Sequence[int], rng: random.Random, time
         else:
             times.append(time.perf_counter() - started)
 
-    before = counters([url], (TTFT, QUEUE, PREFILL, COUNT))
-    threads = [threading.Thread(target=send, args=(p,)) for p in prompts]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout_s)
-    if errors:
-        raise RuntimeError(f"{url}: {len(errors)} of {len(prompts)} requests failed: {errors[0]}")
-    after = counters([url], (TTFT, QUEUE, PREFILL, COUNT))
+    def send_all() -> None:
+        threads = [threading.Thread(target=send, args=(p,)) for p in prompts]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout_s)
+        if errors:
+            raise RuntimeError(f"{url}: {len(errors)} of {len(prompts)} requests failed: {errors[0]}")
+
+    ttft, queue, prefill = vllm_means(url, send_all, len(prompts), f"{url}: a probe")
+    return statistics.mean(times) * 1e3, ttft, queue, prefill
+
+
+def vllm_means(url: str, run: Callable[[], None], expected: int, what: str) -> tuple[float, float, float]:
+    """`run()`, which sends `expected` requests to the idle replica at `url`: vLLM's own TTFT, queue and prefill
+    over it, means per request in ms, from its histograms' sums. `what` names the run in the error raised when
+    the replica prefilled other requests meanwhile."""
+    names = (TTFT, QUEUE, PREFILL, COUNT)
+    before = counters([url], names)
+    run()
+    after = counters([url], names)
     count = after[COUNT] - before[COUNT]
-    if count != len(prompts):
-        raise RuntimeError(f"{url} prefilled {count:g} requests during a probe of {len(prompts)}: is it idle?")
-    per = {name: (after[name] - before[name]) / count * 1e3 for name in (TTFT, QUEUE, PREFILL)}
-    return statistics.mean(times) * 1e3, per[TTFT], per[QUEUE], per[PREFILL]
+    if count != expected:
+        raise RuntimeError(f"{what} of {expected} requests, and the replica prefilled {count:g}: is it idle?")
+    ttft, queue, prefill = ((after[name] - before[name]) / count * 1e3 for name in (TTFT, QUEUE, PREFILL))
+    return ttft, queue, prefill
 
 
 def medians(shape: str, rows: Sequence[tuple[float, float, float, float]]) -> Reading:

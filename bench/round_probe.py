@@ -31,8 +31,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from .burst_probe import COUNT, PREFILL, QUEUE, TTFT, warmed_up
-from .engine_speed import counters
+from .burst_probe import vllm_means, warmed_up
 
 
 @dataclass(frozen=True)
@@ -99,23 +98,18 @@ def closed_loop(url: str, model: str, batch_size: int, requests: int, prompt: in
         except (OSError, RuntimeError, http.client.HTTPException) as exc:
             errors.append(exc)
 
-    names = (TTFT, QUEUE, PREFILL, COUNT)
-    before = counters([url], names)
-    threads = [threading.Thread(target=client, args=(s,)) for s in seeds]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout_s * requests)
-    if errors:
-        raise RuntimeError(f"{len(errors)} of {batch_size} clients failed: {errors[0]}")
-    after = counters([url], names)
-    count = after[COUNT] - before[COUNT]
-    if count != batch_size * requests:
-        raise RuntimeError(f"the replica prefilled {count:g} requests during a run of {batch_size * requests}: "
-                           "is it idle?")
-    per = {name: (after[name] - before[name]) / count * 1e3 for name in (TTFT, QUEUE, PREFILL)}
+    def run() -> None:
+        threads = [threading.Thread(target=client, args=(s,)) for s in seeds]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout_s * requests)
+        if errors:
+            raise RuntimeError(f"{len(errors)} of {batch_size} clients failed: {errors[0]}")
+
+    ttft, queue, prefill = vllm_means(url, run, batch_size * requests, f"a run at B = {batch_size}")
     return Round(batch_size, len(firsts), statistics.fmean(firsts) * 1e3, statistics.median(firsts) * 1e3,
-                 per[TTFT], per[QUEUE], per[PREFILL])
+                 ttft, queue, prefill)
 
 
 def _positive_ints(text: str) -> list[int]:

@@ -165,11 +165,12 @@ class Profiler:
         seed = self.config.prompt_seed * SEED_STRIDE
         async with aiohttp.ClientSession() as session:
             model = self.config.model_name or await served_model(session, url)
+            first = seed + batch * 10**6  # the point's first prompt index
             warmup = self.config.warmup_for(batch)
             if warmup:
-                warm = self.workload.requests(warmup, WARMUP_OFFSET + seed + batch * 10**6)
+                warm = self.workload.requests(warmup, WARMUP_OFFSET + first)
                 await run_load(session, url, model, warm, batch, timeouts)
-            requests = self.workload.requests(n, seed + batch * 10**6)
+            requests = self.workload.requests(n, first)
             progress = Progress(self.out, batch, n, self.config.progress_interval_s)
             async with MetricsWatcher(session, url, self.config.metrics_interval_s) as watcher:
                 load, gpu = await self._run_sampled(session, url, model, requests, batch, progress)
