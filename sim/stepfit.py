@@ -1,8 +1,9 @@
 """One step-time model across models and GPUs, fitted to public measurements, with leave-one-model-out errors.
 
 The data (`planner/data/stepdata/`, provenance in each CSV's header) are real vLLM runs: steady-state engine
-windows of OPT-1.3B to Llama-2-13B on an H100 64 GB (vLLM 0.5.2), and whole-batch latencies of 7-8B models on an
-A100 40 GB, an H100 80 GB and a GH200. Each measurement is turned into the engine steps it consisted of (so many
+windows of OPT-1.3B to Llama-2-13B on an H100 64 GB (vLLM 0.5.2), whole-batch latencies of 7-8B models on an
+A100 40 GB, an H100 80 GB and a GH200, and this project's own closed loops of OPT-1.3B and Qwen3-1.7B on an H200
+(vLLM 0.26.0, docs/bench/gpu/). Each measurement is turned into the engine steps it consisted of (so many
 prefill steps of this size, so many decode steps of that batch and context), and the model prices every step as
 `sim/steptime.py` does, with four constants per GPU:
 
@@ -42,6 +43,7 @@ from .steptime import StepCost
 DATA_DIR = Path(__file__).resolve().parent.parent / "planner" / "data" / "stepdata"
 BSC_FILE = "bsc-vllm052-h100-64gb.csv"
 ARGONNE_FILE = "argonne-vllm-e2e.csv"
+OWN_FILE = "own-vllm026-h200.csv"  # this project's own GPU runs (vLLM 0.26.0 on an H200), not a public source
 # GH200 (Grace Hopper, 96 GB HBM3 part): 4.0 TB/s, the H100's 989 TFLOP/s dense bf16. Not in sim/gpus.py because
 # only this fit uses it.
 EXTRA_GPUS = {"GH200": GpuSpec("GH200", 96 * GIB, 4.0e12, 989e12)}
@@ -169,6 +171,46 @@ def argonne_steps(spec: ModelSpec, batch: int, io_len: int) -> tuple[Steps, ...]
     return tuple(s for s in steps if s.count > 0)
 
 
+@dataclass(frozen=True)
+class ClosedLoop:
+    """One closed-loop point of `planner profile` (B clients, each sending its next request when its last ends):
+    what its mean engine step is made of."""
+
+    clients: float
+    input_tokens: int
+    output_tokens: int
+    req_s: float
+    ttft_mean_s: float
+    e2e_mean_s: float
+    step_s: float  # the mean time per output token after the first: one token per running sequence a step
+
+    @classmethod
+    def of_row(cls, row: dict[str, str]) -> ClosedLoop:
+        """A row of OWN_FILE."""
+        return cls(float(row["clients"]), int(row["input_tokens"]), int(row["output_tokens"]), float(row["req_s"]),
+                   float(row["ttft_mean_ms"]) / 1e3, float(row["e2e_mean_ms"]) / 1e3,
+                   float(row["tpot_mean_ms"]) / 1e3)
+
+    @property
+    def batch(self) -> float:
+        """The sequences decoding at once, by Little's law: requests/s x mean time from first token to last, at
+        most B. Past its API server's limit vLLM decodes far fewer than B (the H200 runs: about 75 at B = 256)."""
+        return min(self.clients, self.req_s * (self.e2e_mean_s - self.ttft_mean_s))
+
+    @property
+    def arriving(self) -> float:
+        """Prompts arriving during one step (requests/s x the step), prefilled in it: vLLM V1 mixes chunked
+        prefills into its decode steps."""
+        return self.req_s * self.step_s
+
+    def steps(self) -> tuple[Steps, ...]:
+        """The mean step: `batch` sequences each at the middle of its output, and the arriving prompts."""
+        batch, new, prompt = self.batch, self.arriving, self.input_tokens
+        context = prompt + self.output_tokens / 2
+        return (Steps(1.0, batch + new * prompt, batch + new, batch * context,
+                      batch * context + new * prompt * (prompt + 1) / 2, batch + new),)
+
+
 def v0_paged_decode(name: str, data_dir: Path = DATA_DIR) -> bool:
     """Whether vLLM 0.5-0.6 (V0) decoded this model with its own PagedAttention kernel instead of FlashAttention.
 
@@ -217,10 +259,21 @@ def load_argonne(path: Path, data_dir: Path = DATA_DIR) -> list[Measurement]:
     return out
 
 
+def load_own(path: Path, data_dir: Path = DATA_DIR) -> list[Measurement]:
+    """This project's H200 runs: one measurement per closed-loop point, its mean step (`ClosedLoop`)."""
+    _, rows = read_csv(path)
+    specs = {name: model_spec(name, data_dir) for name in {r["model"] for r in rows}}
+    loops = [(r, ClosedLoop.of_row(r)) for r in rows]
+    return [Measurement("own", "H200", r["model"], f"{r['run']} B={r['clients']}", loop.step_s, loop.steps(),
+                        specs[r["model"]]) for r, loop in loops]
+
+
 def load_all(data_dir: Path = DATA_DIR) -> list[Measurement]:
-    """Every measurement of both sources; argonne rows longer than the model's context (vLLM rejects them at once)
-    or that would preempt are left out. Rows on a kernel the model does not describe are kept, marked `outside`."""
-    return load_bsc(data_dir / BSC_FILE, data_dir) + load_argonne(data_dir / ARGONNE_FILE, data_dir)
+    """Every measurement of the three sources; argonne rows longer than the model's context (vLLM rejects them at
+    once) or that would preempt are left out. Rows on a kernel the model does not describe are kept, marked
+    `outside`."""
+    return (load_bsc(data_dir / BSC_FILE, data_dir) + load_argonne(data_dir / ARGONNE_FILE, data_dir)
+            + load_own(data_dir / OWN_FILE, data_dir))
 
 
 def described(measurements: Iterable[Measurement]) -> list[Measurement]:
@@ -275,10 +328,9 @@ def constants_for(gpu: str, fitted: dict[str, GpuConstants]) -> tuple[GpuConstan
             f"{base}'s, bandwidth x {ratio:.2f} (no {gpu} data)")
 
 
-def decode_step_s(constants: GpuConstants, spec: ModelSpec, batch: float, context: float) -> float:
-    """One decode step of `batch` sequences at `context` tokens each, priced as the fit prices steps."""
-    m = Measurement("prediction", "", spec.name, f"B={batch}", 1.0,
-                    (Steps(1.0, batch, batch, batch * context, batch * context, batch),), spec)
+def closed_loop_step_s(constants: GpuConstants, spec: ModelSpec, loop: ClosedLoop) -> float:
+    """The mean step of a closed-loop point (`ClosedLoop.steps`), priced as the fit prices steps."""
+    m = Measurement("prediction", "", spec.name, f"B={loop.clients:g}", loop.step_s, loop.steps(), spec)
     return float(predict(constants, [m])[0])
 
 

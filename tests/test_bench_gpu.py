@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.gpu.report import engine_batch, sim_gpu, sim_prediction, write
+from bench.gpu.report import sim_gpu, sim_prediction, stepfit_section, write
 from bench.gpu.settings import Settings, budget, gpu_preset, quick_preset
 from bench.gpu.simfit import calibration_section, vllm_facts
 from bench.gpu.steps import Context, decide, routing_name
@@ -19,7 +19,7 @@ from bench.gpu_replication import main
 from deploy.hardware import Hardware
 from deploy.plan import Admission, Plan, ReplicaSpec, dump
 from planner.points import GpuSummary, Latency, ProfileContext, ProfilePoint, Workload
-from planner.sources import write_point
+from planner.sources import load_profile, write_point
 from planner.stats import RunSummary
 from planner.validate import CountResult
 from sim.fromprofile import EngineFacts
@@ -151,15 +151,18 @@ def test_report_sets_the_measurements_beside_the_papers_and_the_simulator(stored
         assert (s.out / figure).stat().st_size > 10_000
 
 
-def test_the_engine_batch_comes_from_metrics_else_littles_law_else_b() -> None:
-    """The H200 run's B = 256: 121.8 req/s, 1,579 ms from send to last token, 979 ms of it before the first:
-    about 73 sequences decoding at once, not 256."""
-    lat = Latency(mean=4.7)
-    point = ProfilePoint(batch_size=256, total_tok_s=46877.0, req_s=121.76, tpot_ms=lat,
-                         ttft_ms=Latency(mean=979.0), e2e_ms=Latency(mean=1579.0))
-    assert engine_batch(point) == (pytest.approx(121.76 * 0.6), "Little")
-    assert engine_batch(replace(point, mean_running=80.0)) == (80.0, "metrics")
-    assert engine_batch(ProfilePoint(batch_size=8, total_tok_s=1.0)) == (8.0, "B")
+def test_the_step_time_model_is_held_against_a_run_with_constants_fitted_without_its_model() -> None:
+    """The fourth GPU run (Qwen3-1.7B, H200), as stored: its report prices each closed-loop point's mean step with
+    H200 constants fitted on the other model's runs only (OPT-1.3B), so the comparison is a held-out one."""
+    out = Path(__file__).resolve().parent.parent / "docs/bench/gpu/qwen3-1.7b-2026-11-29"
+    points = load_profile(out / "frontier").points
+    text = stepfit_section(gpu_preset("synthetic:qwen3-1.7b", out), points, "NVIDIA H200")
+    assert text is not None and "Constants: fitted on H200, without qwen3-1.7b's own points" in text
+    rows = [line.split("|")[1:-1] for line in text.splitlines() if line.startswith("| ") and "---" not in line][1:]
+    assert [int(r[0]) for r in rows] == [1, 16, 64, 256]
+    assert [float(r[3]) for r in rows] == [2.20, 2.35, 3.41, 4.76]  # mean time per output token, ms
+    assert all(abs(float(r[5].strip().rstrip("%"))) <= 25 for r in rows)
+    assert stepfit_section(gpu_preset("synthetic:qwen3-1.7b", out), points, "NVIDIA L40S") is None
 
 
 def test_simulator_gpu_names_and_predictions() -> None:

@@ -74,46 +74,35 @@ def sim_prediction(settings: Settings, gpu_name: str | None, b_star: int, share:
     return out
 
 
-def engine_batch(p: ProfilePoint) -> tuple[float, str]:
-    """The sequences the engine decoded at once: the mean of vLLM's running gauge where the profile has it,
-    else Little's law on the decode phase (requests/s x mean time from first token to last), else B. Past its
-    API server's limit the engine runs far fewer than the B requests in flight (the H200 run: about 75 at B = 256
-    and 512)."""
-    if p.mean_running:
-        return p.mean_running, "metrics"
-    if p.req_s and p.e2e_ms.mean and p.ttft_ms.mean is not None:
-        return min(float(p.batch_size), p.req_s * (p.e2e_ms.mean - p.ttft_ms.mean) / 1e3), "Little"
-    return float(p.batch_size), "B"
-
-
 def stepfit_section(settings: Settings, points: Sequence[ProfilePoint], gpu_name: str | None) -> str | None:
-    """The cross-model step-time model (`sim stepfit`) against this GPU's decode steps: measured (the chunk gap
-    over the tokens per chunk, as `sim calibrate` reads it) and predicted at the batch the engine ran (its mean
-    running requests where the profile has them, see `engine_batch`). None where the GPU or the model is unknown
-    to it."""
+    """The cross-model step-time model (`sim stepfit`) against this GPU's closed-loop points: the mean step (time
+    per output token) measured and predicted, with constants fitted without this model's own points (held out, as
+    in `sim stepfit`'s table). None where the GPU or the model is unknown to it."""
     gpu = sim_gpu(gpu_name)
     if gpu is None or settings.device != "gpu":
         return None
-    from sim.fromprofile import step_of
-    from sim.stepfit import constants_for, decode_step_s, fit_per_gpu, load_all, model_spec
+    from sim.stepfit import ClosedLoop, closed_loop_step_s, constants_for, fit_per_gpu, load_all, model_spec
 
+    name = settings.model.removeprefix("synthetic:")
     try:
-        spec = model_spec(settings.model.removeprefix("synthetic:"))
+        spec = model_spec(name)
     except (ValueError, OSError):
         return None
-    constants, origin = constants_for(gpu, fit_per_gpu(load_all()))
-    context = settings.input_tokens + settings.output_tokens / 2
+    constants, origin = constants_for(gpu, fit_per_gpu([m for m in load_all() if m.model != name]))
     rows = []
     for p in sorted(points, key=lambda q: q.batch_size):
-        measured = step_of(p)
-        if not measured:
+        if not (p.tpot_ms.mean and p.req_s and p.e2e_ms.mean and p.ttft_ms.mean is not None):
             continue
-        batch, how = engine_batch(p)
-        predicted = decode_step_s(constants, spec, batch, context)
-        rows.append([p.batch_size, f"{batch:.0f} ({how})", f"{measured * 1e3:.2f}",
-                     f"{predicted * 1e3:.2f}", f"{predicted / measured - 1:+.0%}"])
-    return (f"Constants: {origin}; {context:g} tokens of context per sequence.\n\n"
-            + markdown_table(["B", "engine batch", "step ms measured", "predicted", "error"], rows))
+        loop = ClosedLoop(p.batch_size, settings.input_tokens, settings.output_tokens, p.req_s,
+                          p.ttft_ms.mean / 1e3, p.e2e_ms.mean / 1e3, p.tpot_ms.mean / 1e3)
+        predicted = closed_loop_step_s(constants, spec, loop)
+        rows.append([p.batch_size, f"{loop.batch:.0f}", f"{loop.arriving * loop.input_tokens:.0f}",
+                     f"{loop.step_s * 1e3:.2f}", f"{predicted * 1e3:.2f}", f"{predicted / loop.step_s - 1:+.0%}"])
+    return (f"Constants: {origin}, without {name}'s own points. Each closed-loop point's mean step (time per "
+            "output token), priced at the sequences decoding at once (Little's law) beside the prompt tokens "
+            "arriving in one step.\n\n"
+            + markdown_table(["B", "decoding", "prompt tokens a step", "step ms measured", "predicted", "error"],
+                             rows))
 
 
 def _gpu_cell(gpu: dict[str, Any] | None, key: str, unit: str = "") -> str:

@@ -1,6 +1,8 @@
-"""Rebuild this folder's CSVs from snapshots of the two public repositories they come from (run by hand, once).
+"""Rebuild this folder's CSVs from snapshots of the two public repositories they come from (run by hand, once),
+and the H200 file from this project's own GPU runs.
 
     python planner/data/stepdata/extract.py BSC_GIT_DIR ARGONNE_GIT_DIR
+    python planner/data/stepdata/extract.py own docs/bench/gpu
 
 Each argument is a clone (or bare git directory) of the repository named in the CSV's header, at the commit named
 there. Only numbers read from those files are written; the header says how each column was derived.
@@ -26,6 +28,7 @@ ARGONNE_MODELS = {"meta-llama/Llama-2-7b-hf": "llama-2-7b", "meta-llama/Meta-Lla
                   "mistralai/Mistral-7B-v0.1": "mistral-7b", "Qwen/Qwen2-7B": "qwen2-7b",
                   "Qwen/Qwen1.5-7B": "qwen1.5-7b", "huggyllama/llama-7b": "llama-7b", "facebook/opt-6.7b": "opt-6.7b"}
 ARGONNE_GPUS = {"Nvidia A100 GPU": "A100-40GB", "Nvidia H100 GPU": "H100-80GB", "Nvidia GH200 GPU": "GH200"}
+OWN_FILE = "own-vllm026-h200.csv"
 
 
 def write_keeping_header(path: Path, rows: list[list[str]]) -> None:
@@ -130,6 +133,33 @@ def write_argonne(repo: Path) -> None:
     print(f"{path}: {len(out) - 1} rows")
 
 
+def own_point(path: Path, root: Path) -> list[str]:
+    """One closed-loop point of `planner profile` (a GPU run's frontier/point-*.json) as a row of OWN_FILE."""
+    data = json.loads(path.read_text())
+    context, point = data["context"], data["point"]
+    args = context.get("vllm_args") or []
+    api = args[args.index("--api-server-count") + 1] if "--api-server-count" in args else "1"
+    workload = context["workload"]
+    return [str(path.parent.parent.relative_to(root)), context["model"].removeprefix("synthetic:"), api,
+            str(point["batch_size"]), str(workload["input_tokens"]), str(workload["output_tokens"]),
+            f"{point['req_s']:.6g}", f"{point['ttft_ms']['mean']:.6g}", f"{point['e2e_ms']['mean']:.6g}",
+            f"{point['tpot_ms']['mean']:.6g}"]
+
+
+def write_own(root: Path) -> None:
+    """Every H200 frontier point under `root` (docs/bench/gpu): `planner profile`'s closed loops."""
+    points = sorted(p for p in root.rglob("frontier/point-*.json")
+                    if "H200" in json.loads(p.read_text())["context"].get("gpu_name", ""))
+    out = [["run", "model", "api_servers", "clients", "input_tokens", "output_tokens", "req_s", "ttft_mean_ms",
+            "e2e_mean_ms", "tpot_mean_ms"]] + [own_point(p, root) for p in points]
+    path = HERE / OWN_FILE
+    write_keeping_header(path, out)
+    print(f"{path}: {len(out) - 1} rows")
+
+
 if __name__ == "__main__":
-    write_bsc(Path(sys.argv[1]))
-    write_argonne(Path(sys.argv[2]))
+    if sys.argv[1] == "own":
+        write_own(Path(sys.argv[2]))
+    else:
+        write_bsc(Path(sys.argv[1]))
+        write_argonne(Path(sys.argv[2]))
