@@ -83,6 +83,9 @@ def _parser() -> argparse.ArgumentParser:
     cal.add_argument("--frontend-on-core", action="store_true", help="the profiled replica's API server shared "
                      "its engine's core (a CPU replica confined to one core, as `deploy up` runs one): the "
                      "simulated replica's steps stand still while a request passes its front end")
+    cal.add_argument("--frontend-latency", action="store_true", help="fit the front end as serial work per request "
+                     "plus a latency requests spend side by side (the GPU benchmark does; a CPU replica's model, "
+                     "judged on the sim-vs-real grid, keeps serial work alone)")
     cal.add_argument("--prefill-cost", metavar="FILE", help="`python -m bench.prefill_cost --out FILE` of the same "
                      "replica: what a prefill's attention costs per (query, key) pair, so a prompt's uncached end "
                      "costs more after a long cached context")
@@ -190,7 +193,7 @@ def _calibrate_profile(args: argparse.Namespace) -> None:
                         args.max_model_len, args.tokenizer, args.served_model_name)
     try:
         model, rows = calibrate(args.profile[0], given, extra=args.profile[1:], frontend_on_core=args.frontend_on_core,
-                                prefill_cost=args.prefill_cost)
+                                prefill_cost=args.prefill_cost, frontend_latency=args.frontend_latency)
     except CalibrationError as exc:
         raise UsageError(str(exc)) from None
     Path(args.out).write_text(model.to_json(), encoding="utf-8")
@@ -207,8 +210,8 @@ async def serve_measured(model: ReplicaModel, replicas: int, port: int, host: st
     _, _, engines = MeasuredSpec(model, replicas).build(LoopClock(asyncio.get_running_loop()))
     announce = (f"{replicas} replica(s) imitating {model.model_name} ({model.source.get('profile', '?')}) at "
                 f"http://{host}:{port}..{port + replicas - 1}")
-    await serve_until_stopped([make_app(engine, model.model_name, seed + i, coder, model.frontend_s, model.stream_s)
-                               for i, engine in enumerate(engines)], host, port, announce)
+    await serve_until_stopped([make_app(engine, model.model_name, seed + i, coder, model.frontend_s, model.stream_s,
+                                        model.frontend_latency_s) for i, engine in enumerate(engines)], host, port, announce)
 
 
 def _serve(args: argparse.Namespace) -> None:

@@ -233,7 +233,7 @@ def replay_point(model: ReplicaModel, batch_size: int, requests: int, prompt: in
     chunks: dict[int, int] = {}
     done: list[SimRequest] = []
     left = [requests]
-    frontend = FrontEnd.of(engine, model.frontend_s, model.stream_s)
+    frontend = FrontEnd.of(engine, model.frontend_s, model.stream_s, model.frontend_latency_s)
     streamed = model.stream_s > 0  # tokens pass the front end one by one (else: at the engine's times)
 
     def send() -> None:
@@ -361,7 +361,8 @@ def prefill_pair_cost(path: str | Path) -> float:
 
 def calibrate(profile_dir: str | Path, given: EngineFacts = EngineFacts(), iters: int = 40,
               extra: Sequence[str | Path] = (), frontend_on_core: bool = False,
-              prefill_cost: str | Path | None = None) -> tuple[ReplicaModel, list[PointFit]]:
+              prefill_cost: str | Path | None = None,
+              frontend_latency: bool = False) -> tuple[ReplicaModel, list[PointFit]]:
     """The fitted replica model and its point-by-point comparison with the profile(s).
 
     `extra`: more profiles of the same replica. One with the first's workload is another round of it (see
@@ -370,6 +371,12 @@ def calibrate(profile_dir: str | Path, given: EngineFacts = EngineFacts(), iters
     API server shared its engine's core (a CPU replica on one core); the fit replays the sweep so. `prefill_cost`:
     `bench.prefill_cost`'s JSON for that replica, whose cost per (query, key) pair of a prefill's attention the
     model takes as measured (the fit then prices the profiles' prompts with it, and fits the rest per token).
+    `frontend_latency`: fit the front end as serial work per request plus a latency requests spend side by side
+    (`ReplicaModel.frontend_latency_s`). The latency is what the smallest B's time to its first token leaves,
+    less its step, the serial work and the prefill, so that point holds by construction and the search stays
+    in three dimensions; it starts from 1/8 of that time as serial work and 1/8 as prefill, since a GPU prefills
+    a short prompt in a fraction of the way there (the H200 runs: 16 ms to the first token, a prefill of 256
+    tokens about 2 ms).
     """
     groups = _grouped([_load(path, given) for path in (profile_dir, *extra)])
     if len(groups) > 2:
@@ -377,6 +384,10 @@ def calibrate(profile_dir: str | Path, given: EngineFacts = EngineFacts(), iters
                                "ones (several profiles of one workload are rounds)")
     profile = groups[0]
     start = replace(initial_model(profile, facts_from_profile(profile, given)), frontend_on_core=frontend_on_core)
+    prompt = profile.context.workload.input_tokens or 1
+    rest = start.frontend_s + start.prefill_s_per_token * prompt  # the smallest B's TTFT less its step
+    if frontend_latency:
+        start = replace(start, frontend_s=rest / 8, prefill_s_per_token=rest / 8 / prompt)
     if prefill_cost is not None:
         start = replace(start, prefill_s_per_pair=prefill_pair_cost(prefill_cost),
                         source={**start.source, "prefill_s_per_pair": f"measured: {prefill_cost} (bench.prefill_cost)"})
@@ -392,13 +403,20 @@ def calibrate(profile_dir: str | Path, given: EngineFacts = EngineFacts(), iters
 
     def model_of(x: np.ndarray) -> ReplicaModel:
         longs = tuple((b, abs(float(v)) * 1e-3 + 1e-5) for (b, _), v in zip(start.long_step_s, x[3:]))
-        return replace(start, prefill_s_per_token=abs(float(x[0])) * 1e-6, frontend_s=abs(float(x[1])) * 1e-3,
-                       stream_s=abs(float(x[2])) * 1e-6, long_step_s=longs)
+        per_token, serial = abs(float(x[0])) * 1e-6, abs(float(x[1])) * 1e-3
+        latency = max(0.0, rest - serial - per_token * prompt) if frontend_latency else 0.0
+        return replace(start, prefill_s_per_token=per_token, frontend_s=serial, stream_s=abs(float(x[2])) * 1e-6,
+                       frontend_latency_s=latency, long_step_s=longs)
 
     x0 = np.array([start.prefill_s_per_token * 1e6, start.frontend_s * 1e3, start.stream_s * 1e6,
                    *(s * 1e3 for _, s in start.long_step_s)])
     def loss(x: np.ndarray) -> float:
-        return _error([r for p in profiles for r in compare(model_of(x), p)])
+        model = model_of(x)
+        # With a latency, serial work and prefill past the smallest B's time to its first token leave none for it:
+        # priced, so that the search walks back rather than resting on the edge.
+        over = max(0.0, model.frontend_s + model.prefill_s_per_token * prompt - rest) / rest if frontend_latency \
+            else 0.0
+        return _error([r for p in profiles for r in compare(model, p)]) + 10 * over * over
 
     best = nelder_mead(loss, x0, x0 * 0.3 + 1e-3, iters * len(profiles))
     fitted = model_of(best)
@@ -419,8 +437,9 @@ def format_fit(model: ReplicaModel, rows: Sequence[PointFit]) -> str:
              f"prefill: {model.prefill_s_per_token * 1e6:.1f} us/token ({model.prefill_tokens_s:,.0f} tokens/s)"
              + (f" + {model.prefill_s_per_pair * 1e9:.1f} ns a (query, key) pair of its attention"
                 if model.prefill_s_per_pair else "") + "; "
-             f"front end: {model.frontend_s * 1e3:.1f} ms a request{where}, {model.stream_s * 1e6:.0f} us a "
-             "streamed chunk",
+             f"front end: {model.frontend_s * 1e3:.1f} ms a request{where}"
+             + (f" + {model.frontend_latency_s * 1e3:.1f} ms of latency side by side"
+                if model.frontend_latency_s else "") + f", {model.stream_s * 1e6:.0f} us a streamed chunk",
              f"max_num_seqs {model.max_num_seqs}, max_num_batched_tokens {model.max_num_batched_tokens}, "
              f"chunked prefill {model.chunked_prefill}, prefix caching {model.prefix_caching}, "
              f"{model.num_blocks} blocks of {model.block_size} tokens, max_model_len {model.max_model_len}",

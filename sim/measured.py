@@ -21,7 +21,10 @@ chat turn whose uncached end attends to a long history costs more than the same 
 
 `frontend_s` is the time a request spends in vLLM's API server before the engine sees it (tokenizing, queueing
 between processes): one request at a time, so requests arriving together reach the engine that far apart
-(`FrontEnd`).
+(`FrontEnd`). `frontend_latency_s` is time on the way that requests spend together, not one after another (the
+hops between processes, the event loop's turns): where it is fitted (`sim calibrate --frontend-latency`, the GPU
+benchmark), `frontend_s` is only the API server's serial work. On an H200, a single request took 16 ms to its first
+token while 64 arriving together had theirs after 149 ms (median), not after 32 x 16: most of the 16 ms overlaps.
 
 `frontend_on_core`: the API server shares the engine's core, as on a CPU replica confined to one core (`deploy up`
 gives each replica its cores, every process of it on them). The front end's work then has that core first (the
@@ -73,6 +76,7 @@ class ReplicaModel:
     stream_s: float = 0.0  # the API server's time per streamed chunk (0: streaming costs it nothing)
     frontend_on_core: bool = False  # the API server's per-request work shares the engine's core (see above)
     prefill_s_per_pair: float = 0.0  # seconds per (query, key) pair a prompt chunk's attention computes (see above)
+    frontend_latency_s: float = 0.0  # time to the engine that requests spend together, beyond frontend_s (see above)
 
     def __post_init__(self) -> None:
         if not self.step_s:
@@ -92,7 +96,8 @@ class ReplicaModel:
         if self.frontend_on_core and self.shared_device:
             raise ConfigError("frontend_on_core (an API server on its engine's core) needs a replica with a core of "
                               "its own: shared_device must be false")
-        for name in ("prefill_s_per_token", "frontend_s", "kv_bytes_per_token", "stream_s", "prefill_s_per_pair"):
+        for name in ("prefill_s_per_token", "frontend_s", "kv_bytes_per_token", "stream_s", "prefill_s_per_pair",
+                     "frontend_latency_s"):
             if not getattr(self, name) >= 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "num_blocks", "max_model_len"):
@@ -169,21 +174,24 @@ class FrontEnd:
     on an H200 at B >= 64, 2-4 tokens a chunk), so a busy front end delays first tokens and new requests alike.
 
     With a `core` (the engine's own device, `ReplicaModel.frontend_on_core`), each request's `service_s` is also
-    time the engine's steps stand still (`SharedDevice.block`); the streaming cost stays off the core."""
+    time the engine's steps stand still (`SharedDevice.block`); the streaming cost stays off the core. `latency_s`
+    is added to each request's way after its turn in the queue: requests spend it side by side."""
 
-    def __init__(self, service_s: float, stream_s: float = 0.0, core: SharedDevice | None = None) -> None:
+    def __init__(self, service_s: float, stream_s: float = 0.0, core: SharedDevice | None = None,
+                 latency_s: float = 0.0) -> None:
         self.service_s = service_s
         self.stream_s = stream_s
+        self.latency_s = latency_s
         self.core = core
-        self._base = (service_s, stream_s)
+        self._base = (service_s, stream_s, latency_s)
         self._free_at = 0.0
         self._pending: dict[int, float] = {}
 
     @classmethod
-    def of(cls, engine: Engine, service_s: float, stream_s: float = 0.0) -> FrontEnd:
+    def of(cls, engine: Engine, service_s: float, stream_s: float = 0.0, latency_s: float = 0.0) -> FrontEnd:
         """`engine`'s front end: on the engine's core where the engine's whole step is work there
         (`Engine.host_on_device`, which `MeasuredSpec` sets from `ReplicaModel.frontend_on_core`)."""
-        return cls(service_s, stream_s, engine.device if engine.host_on_device else None)
+        return cls(service_s, stream_s, engine.device if engine.host_on_device else None, latency_s)
 
     def admit(self, now: float) -> float:
         """When a request arriving `now` reaches the engine."""
@@ -191,7 +199,7 @@ class FrontEnd:
         self._free_at = start + self.service_s
         if self.core is not None and self.service_s > 0:
             self.core.block(start, self._free_at)
-        return self._free_at
+        return self._free_at + self.latency_s
 
     def deliver(self, now: float, rid: int) -> float:
         """When a token request `rid`'s engine made `now` reaches its client."""
@@ -206,7 +214,7 @@ class FrontEnd:
 
     def set_scale(self, scale: float) -> None:
         """Every cost `scale` times the one it was made with (the machine slower or faster than calibrated)."""
-        self.service_s, self.stream_s = (scale * cost for cost in self._base)
+        self.service_s, self.stream_s, self.latency_s = (scale * cost for cost in self._base)
 
     def until(self, rid: int) -> float:
         """When request `rid`'s last chunk so far reaches its client (0: none is waiting)."""

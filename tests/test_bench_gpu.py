@@ -199,6 +199,22 @@ def test_the_engine_settings_come_from_what_vllm_logged_at_start() -> None:
     assert vllm_facts(cpu, "gpu").max_num_batched_tokens is None and vllm_facts("", "gpu") == EngineFacts()
 
 
+def test_a_gpu_frontier_is_calibrated_with_a_front_end_latency(tmp_path: Path) -> None:
+    """On a GPU the report's calibration fits the front end as serial work plus a latency requests spend side by
+    side (`sim calibrate --frontend-latency`); the profile here is a simulated replica's (made up, not measured)."""
+    from tests.test_sim_fromprofile import LATENT, write_profile
+
+    s = Settings(**{**asdict(gpu_preset("synthetic:opt-1.3b", tmp_path)), "out": tmp_path})
+    write_profile(tmp_path / "frontier", LATENT, context=ProfileContext(
+        model=s.model, device="gpu", workload=Workload("fixed", 256, 64), gpu_name="NVIDIA H200"))
+    log = tmp_path / "run" / "single" / "logs" / "single.log"
+    log.parent.mkdir(parents=True)
+    log.write_text(GPU_LOG.replace("max_num_batched_tokens=8192", "max_num_batched_tokens=2048")
+                   .replace("'max_num_seqs': 256", "'max_num_seqs': 32"))
+    text = calibration_section(s, Store(tmp_path))
+    assert "ms of latency side by side" in text and "| 256 + 64 | 32 |" in text
+
+
 def test_the_report_says_why_the_simulator_could_not_be_calibrated(stored: tuple[Settings, Store]) -> None:
     """The made-up frontier has no inter-token latencies: the calibration names what is missing; without the
     instance's log it says so; a failed prefill-cost measurement is named, not taken."""

