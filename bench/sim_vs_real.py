@@ -297,6 +297,7 @@ class Setup:
     pair_steps: bool = False  # a side PAIRED: each run at its real twin's own step speed
     cpu_twin: bool = False  # simulated sides beside processes that use the CPU the real replicas used
     frontend_on_core: bool = False  # the calibrated replicas' API server on their engine's core (sim.measured)
+    frontend_latency: bool = False  # their front end fitted as serial work plus a latency (sim.measured)
     prefill_cost: bool = True  # measure a prefill's cost per attention pair on the first replica (bench.prefill_cost)
 
     def sides(self) -> tuple[str, ...]:
@@ -430,7 +431,7 @@ def measure(setup: Setup) -> None:
                     meta[f"calibration{suffix(calibration)}"] = calibrate(
                         out, setup.profiles, len(real), suffix(calibration),
                         range(setup.calibration_rounds), base["replicas"][0]["max_num_seqs"], tokenizer, model_path,
-                        setup.frontend_on_core)
+                        setup.frontend_on_core, setup.frontend_latency)
                     meta[f"replica_model{suffix(calibration)}"] = str(model_path)
                     meta[f"calibration_rounds{suffix(calibration)}"] = setup.calibration_rounds
                     meta_path.write_text(json.dumps(meta, indent=1))
@@ -527,6 +528,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--frontend-on-core", action="store_true", help="calibrate replica models whose API "
                         "server shares its engine's core, as a CPU replica's does under `deploy up` "
                         "(`sim calibrate --frontend-on-core`)")
+    parser.add_argument("--frontend-latency", action="store_true", help="calibrate replica models whose front end "
+                        "is serial work per request plus a latency requests spend side by side "
+                        "(`sim calibrate --frontend-latency`)")
     parser.add_argument("--prefill-cost", action=argparse.BooleanOptionalAction, help="measure what a prefill's "
                         "attention costs per (query, key) pair on the first real replica, one request at a time "
                         "after the first profiles (bench.prefill_cost, about a minute), and calibrate with it "
@@ -557,7 +561,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     setup = replace(setup, deployment=args.deployment, calibrations=calibrations,
                     repeats=repeats, follow_speed=args.follow_speed, calibration_rounds=args.calibration_rounds,
                     match_steps=args.match_steps, pair_steps=args.pair_steps, cpu_twin=args.cpu_twin,
-                    frontend_on_core=args.frontend_on_core,
+                    frontend_on_core=args.frontend_on_core, frontend_latency=args.frontend_latency,
                     prefill_cost=args.prefill_cost if args.prefill_cost is not None else not args.quick)
     if setup.match_steps and ("together" not in setup.calibrations or setup.seeds < 2):
         parser.error("--match-steps scales the together calibration to the seed-0 runs and is judged on the other "

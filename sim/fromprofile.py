@@ -384,13 +384,16 @@ def calibrate(profile_dir: str | Path, given: EngineFacts = EngineFacts(), iters
                                "ones (several profiles of one workload are rounds)")
     profile = groups[0]
     start = replace(initial_model(profile, facts_from_profile(profile, given)), frontend_on_core=frontend_on_core)
-    prompt = profile.context.workload.input_tokens or 1
-    rest = start.frontend_s + start.prefill_s_per_token * prompt  # the smallest B's TTFT less its step
-    if frontend_latency:
-        start = replace(start, frontend_s=rest / 8, prefill_s_per_token=rest / 8 / prompt)
     if prefill_cost is not None:
         start = replace(start, prefill_s_per_pair=prefill_pair_cost(prefill_cost),
                         source={**start.source, "prefill_s_per_pair": f"measured: {prefill_cost} (bench.prefill_cost)"})
+    prompt = profile.context.workload.input_tokens or 1
+    # The smallest B's TTFT less its step and its prompt's attention pairs (measured, where given): what the front
+    # end and the prefill per token share.
+    rest = max(start.frontend_s + start.prefill_s_per_token * prompt
+               - start.prefill_s_per_pair * prompt * (prompt + 1) / 2, 1e-4)
+    if frontend_latency:
+        start = replace(start, frontend_s=rest / 8, prefill_s_per_token=rest / 8 / prompt)
     profiles = [profile]
     if len(groups) == 2:
         long = groups[1]

@@ -545,3 +545,26 @@ def test_pairs_a_step_are_estimated_from_the_prompts_and_the_hit_rate() -> None:
     assert pairs_a_step({"engine": {"steps": 100.0}}) == 0.0 and pairs_a_step({**row, "engine": None}) == 0.0
     priced = replace(MODEL, prefill_s_per_pair=100e-9)
     assert model_ms(priced, 4, 10, None, 5000) - model_ms(MODEL, 4, 10) == pytest.approx(0.5)
+
+
+def test_the_calibration_asks_sim_calibrate_for_the_front_ends_latency_only_when_told(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--frontend-latency` reaches `sim calibrate` as its flag; without it the command is the serial-only one the
+    grid judged."""
+    import subprocess
+
+    from bench import sim_vs_real_calibration as cal
+
+    calls: list[list[str]] = []
+
+    def run(args: list[str], **kwargs: object) -> subprocess.CompletedProcess[str]:
+        calls.append(args)
+        return subprocess.CompletedProcess(args, 0, "fitted", "")
+
+    monkeypatch.setattr(cal.subprocess, "run", run)
+    for latency in (False, True):
+        assert cal.calibrate(tmp_path, ["p"], 2, "_together", [0], 32, "tok", tmp_path / "m.json",
+                             frontend_latency=latency) == "fitted"
+    assert "--frontend-latency" not in calls[0] and "--frontend-latency" in calls[1]
+    assert calls[1][calls[1].index("calibrate") + 1:calls[1].index("--out")] == [
+        "--profile", str(cal.profile_dir(tmp_path, "p", "_together", 0, 0, 2))]
