@@ -1,4 +1,4 @@
-"""One step-time model across models and GPUs, fitted to public measurements, with leave-one-model-out errors.
+"""One step-time model across models and GPUs, fitted to measured vLLM steps, with leave-one-model-out errors.
 
 The data (`planner/data/stepdata/`, provenance in each CSV's header) are real vLLM runs: steady-state engine
 windows of OPT-1.3B to Llama-2-13B on an H100 64 GB (vLLM 0.5.2), whole-batch latencies of 7-8B models on an
