@@ -22,17 +22,25 @@ from deploy.process import lower_priority
 PERIOD_S = 0.01
 
 
-def burn(duty: float, period_s: float = PERIOD_S, seconds: float = math.inf) -> None:
-    """Spin until this process has had `duty` of a period in CPU time, then sleep the rest of it (runs in a burner
-    process, until killed). CPU time, not wall time: a burner kept off a core still does its share afterwards, as a
-    replica with steps to run does. Spinning by the wall clock, the burners of 2026-11-29 used 1.04 cores where the
-    real replicas they stood for had used 1.26."""
-    end = time.monotonic() + seconds
-    while time.monotonic() < end:
-        start = time.process_time()
-        while time.process_time() - start < duty * period_s:
-            pass
-        time.sleep((1 - duty) * period_s)
+def burn(duty: float, period_s: float = PERIOD_S, seconds: float = math.inf, debt_periods: float = 10) -> None:
+    """Use `duty` of the wall time since the start in CPU time, a period at most at a go, sleeping while ahead
+    (runs in a burner process, until killed). A burner kept off a core catches up afterwards, as a replica with
+    steps to run does, forgiving what it owes beyond `debt_periods` periods. The burners of 2026-11-29 spun by the
+    wall clock and used 1.04 cores for the real replicas' 1.26; spinning for a CPU share but then sleeping a fixed
+    share of each period, 1.09."""
+    wall0, cpu0 = time.monotonic(), time.process_time()
+    end = wall0 + seconds
+    while (now := time.monotonic()) < end:
+        owed = duty * (now - wall0) - (time.process_time() - cpu0)
+        if owed > debt_periods * period_s:
+            cpu0 -= owed - debt_periods * period_s
+            owed = debt_periods * period_s
+        if owed > 0:
+            stop = time.process_time() + min(owed, period_s)
+            while time.process_time() < stop:
+                pass
+        else:
+            time.sleep(min(-owed / duty, period_s))
 
 
 def burners(cores: float) -> tuple[int, float]:
