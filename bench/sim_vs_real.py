@@ -434,6 +434,7 @@ def measure(setup: Setup) -> None:
                         setup.frontend_on_core, setup.frontend_latency)
                     meta[f"replica_model{suffix(calibration)}"] = str(model_path)
                     meta[f"calibration_rounds{suffix(calibration)}"] = setup.calibration_rounds
+                    meta[f"frontend_latency{suffix(calibration)}"] = setup.frontend_latency
                     meta_path.write_text(json.dumps(meta, indent=1))
                 urls, pids = serve_sim(stack, meta[f"replica_model{suffix(calibration)}"], setup.replicas,
                                        sim_port + 10 * k, out / f"{side_name}.log")

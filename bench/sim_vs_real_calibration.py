@@ -98,6 +98,6 @@ def round_models(out: Path, meta: dict[str, Any], suffix: str) -> list[str]:
         if not path.exists():
             calibrate(out, meta["profiles"], int(meta["replicas"]), suffix, [k],
                       fitted.max_num_seqs, fitted.tokenizer or str(ensure_tiny_model()), path,
-                      fitted.frontend_on_core, fitted.frontend_latency_s > 0)
+                      fitted.frontend_on_core, bool(meta.get(f"frontend_latency{suffix}", False)))
         paths.append(str(path))
     return paths

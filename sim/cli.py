@@ -210,8 +210,9 @@ async def serve_measured(model: ReplicaModel, replicas: int, port: int, host: st
     _, _, engines = MeasuredSpec(model, replicas).build(LoopClock(asyncio.get_running_loop()))
     announce = (f"{replicas} replica(s) imitating {model.model_name} ({model.source.get('profile', '?')}) at "
                 f"http://{host}:{port}..{port + replicas - 1}")
-    await serve_until_stopped([make_app(engine, model.model_name, seed + i, coder, model.frontend_s, model.stream_s,
-                                        model.frontend_latency_s) for i, engine in enumerate(engines)], host, port, announce)
+    apps = [make_app(engine, model.model_name, seed + i, coder, model.frontend_s, model.stream_s,
+                     model.frontend_latency_s) for i, engine in enumerate(engines)]
+    await serve_until_stopped(apps, host, port, announce)
 
 
 def _serve(args: argparse.Namespace) -> None:

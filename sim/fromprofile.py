@@ -390,7 +390,7 @@ def calibrate(profile_dir: str | Path, given: EngineFacts = EngineFacts(), iters
     prompt = profile.context.workload.input_tokens or 1
     # The smallest B's TTFT less its step and its prompt's attention pairs (measured, where given): what the front
     # end and the prefill per token share.
-    rest = max(start.frontend_s + start.prefill_s_per_token * prompt
+    rest = max((profile.points[0].ttft_ms.p50 or 0) / 1e3 - start.step_s[0][1]
                - start.prefill_s_per_pair * prompt * (prompt + 1) / 2, 1e-4)
     if frontend_latency:
         start = replace(start, frontend_s=rest / 8, prefill_s_per_token=rest / 8 / prompt)
