@@ -86,6 +86,10 @@ def _parser() -> argparse.ArgumentParser:
     cal.add_argument("--frontend-latency", action="store_true", help="fit the front end as serial work per request "
                      "plus a latency requests spend side by side (the GPU benchmark does; a CPU replica's model, "
                      "judged on the sim-vs-real grid, keeps serial work alone)")
+    cal.add_argument("--core-work", action="store_true", help="a CPU replica whose processes share one core: each "
+                     "request takes the core for its front end and then for more work (its way through the engine "
+                     "core, its response's way out), fitted; the steps netted of it; the prefill per token as "
+                     "--prefill-cost measured it (needs it; implies --frontend-on-core)")
     cal.add_argument("--prefill-cost", metavar="FILE", help="`python -m bench.prefill_cost --out FILE` of the same "
                      "replica: what a prefill's attention costs per (query, key) pair, so a prompt's uncached end "
                      "costs more after a long cached context")
@@ -193,7 +197,8 @@ def _calibrate_profile(args: argparse.Namespace) -> None:
                         args.max_model_len, args.tokenizer, args.served_model_name)
     try:
         model, rows = calibrate(args.profile[0], given, extra=args.profile[1:], frontend_on_core=args.frontend_on_core,
-                                prefill_cost=args.prefill_cost, frontend_latency=args.frontend_latency)
+                                prefill_cost=args.prefill_cost, frontend_latency=args.frontend_latency,
+                                core_work=args.core_work)
     except CalibrationError as exc:
         raise UsageError(str(exc)) from None
     Path(args.out).write_text(model.to_json(), encoding="utf-8")
@@ -211,7 +216,7 @@ async def serve_measured(model: ReplicaModel, replicas: int, port: int, host: st
     announce = (f"{replicas} replica(s) imitating {model.model_name} ({model.source.get('profile', '?')}) at "
                 f"http://{host}:{port}..{port + replicas - 1}")
     apps = [make_app(engine, model.model_name, seed + i, coder, model.frontend_s, model.stream_s,
-                     model.frontend_latency_s) for i, engine in enumerate(engines)]
+                     model.frontend_latency_s, model.frontend_core_s) for i, engine in enumerate(engines)]
     await serve_until_stopped(apps, host, port, announce)
 
 

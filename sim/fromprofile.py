@@ -233,7 +233,7 @@ def replay_point(model: ReplicaModel, batch_size: int, requests: int, prompt: in
     chunks: dict[int, int] = {}
     done: list[SimRequest] = []
     left = [requests]
-    frontend = FrontEnd.of(engine, model.frontend_s, model.stream_s, model.frontend_latency_s)
+    frontend = FrontEnd.of_model(engine, model)
     streamed = model.stream_s > 0  # tokens pass the front end one by one (else: at the engine's times)
 
     def send() -> None:
@@ -359,10 +359,58 @@ def prefill_pair_cost(path: str | Path) -> float:
     return float(value)
 
 
+def prefill_token_cost(path: str | Path) -> float:
+    """The seconds per prompt token that `bench.prefill_cost` measured (its JSON's fit.per_token_s)."""
+    value = json.loads(Path(path).read_text(encoding="utf-8")).get("fit", {}).get("per_token_s")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise CalibrationError(f"{str(path)!r} has no positive fit.per_token_s (write it with `python -m "
+                               f"bench.prefill_cost --out`)")
+    return float(value)
+
+
+def net_steps(model: ReplicaModel, profiles: Sequence[Profile]) -> ReplicaModel:
+    """`model` with each table's steps scaled point by point so that its profile, replayed, gives the profile's
+    TPOT means: what remains of a measured step once the work the model charges apart (a request's core work)
+    is taken out of it. The first profile sets `step_s`, a second one `long_step_s`."""
+    tables = []
+    for table, profile in zip((model.step_s, model.long_step_s), profiles):
+        rows = compare(model, profile)
+        tables.append(tuple((b, s * r.tpot_mean_ms / r.sim_tpot_mean_ms) for (b, s), r in zip(table, rows)))
+    return replace(model, step_s=tables[0], long_step_s=tables[1] if len(tables) > 1 else model.long_step_s)
+
+
+def fit_core_work(start: ReplicaModel, profiles: Sequence[Profile], rest: float,
+                  iters: int) -> tuple[ReplicaModel, list[PointFit]]:
+    """`calibrate(core_work=True)`: the prefill per token as `start` has it (measured), the front end and the
+    further core work a request fitted to the profiles' TTFTs, the steps netted of that work (`net_steps`), in
+    turns until both settle. `rest`: the smallest B's TTFT less its step and its prefill, where the search starts
+    (a quarter of it as front end, the rest as core work)."""
+    model = start
+    x = np.array([rest / 4 * 1e3, rest * 3 / 4 * 1e3])
+    for _ in range(3):
+        model = net_steps(model, profiles)
+        base = model
+
+        def model_of(x: np.ndarray, base: ReplicaModel = base) -> ReplicaModel:
+            return replace(base, frontend_s=abs(float(x[0])) * 1e-3, frontend_core_s=abs(float(x[1])) * 1e-3)
+
+        def loss(x: np.ndarray) -> float:
+            return _error([r for p in profiles for r in compare(model_of(x), p)])
+
+        x = nelder_mead(loss, x, x * 0.3 + 1e-3, iters)
+        model = model_of(x)
+    model = net_steps(model, profiles)
+    source = {**model.source, "frontend_s, frontend_core_s": "fitted: the sweep replayed in virtual time, the steps "
+              "netted of the core work (sim.fromprofile.net_steps)", "prefill_s_per_token": "measured"}
+    if len(profiles) == 2:
+        source["long_step_s"] = "the long profile's TPOT means, netted of the core work"
+    return replace(model, source=source), [r for p in profiles for r in compare(model, p)]
+
+
 def calibrate(profile_dir: str | Path, given: EngineFacts = EngineFacts(), iters: int = 40,
               extra: Sequence[str | Path] = (), frontend_on_core: bool = False,
               prefill_cost: str | Path | None = None,
-              frontend_latency: bool = False) -> tuple[ReplicaModel, list[PointFit]]:
+              frontend_latency: bool = False, core_work: bool = False) -> tuple[ReplicaModel, list[PointFit]]:
     """The fitted replica model and its point-by-point comparison with the profile(s).
 
     `extra`: more profiles of the same replica. One with the first's workload is another round of it (see
@@ -377,7 +425,15 @@ def calibrate(profile_dir: str | Path, given: EngineFacts = EngineFacts(), iters
     in three dimensions; it starts from 1/8 of that time as serial work and 1/8 as prefill, since a GPU prefills
     a short prompt in a fraction of the way there (the H200 runs: 16 ms to the first token, a prefill of 256
     tokens about 2 ms).
+    `core_work`: a CPU replica whose processes share one core (implies `frontend_on_core`): each request takes
+    the core for its front end and then for more work (`ReplicaModel.frontend_core_s`); the prefill per token is
+    taken as `prefill_cost` measured it, and the steps are netted of the core work (`fit_core_work`).
     """
+    if core_work and frontend_latency:
+        raise CalibrationError("give --core-work or --frontend-latency, not both")
+    if core_work and prefill_cost is None:
+        raise CalibrationError("--core-work takes the prefill per token as measured: give --prefill-cost FILE")
+    frontend_on_core = frontend_on_core or core_work
     groups = _grouped([_load(path, given) for path in (profile_dir, *extra)])
     if len(groups) > 2:
         raise CalibrationError("give profiles of at most two workloads: one with short requests, one with long "
@@ -387,6 +443,8 @@ def calibrate(profile_dir: str | Path, given: EngineFacts = EngineFacts(), iters
     if prefill_cost is not None:
         start = replace(start, prefill_s_per_pair=prefill_pair_cost(prefill_cost),
                         source={**start.source, "prefill_s_per_pair": f"measured: {prefill_cost} (bench.prefill_cost)"})
+        if core_work:
+            start = replace(start, prefill_s_per_token=prefill_token_cost(prefill_cost))
     prompt = profile.context.workload.input_tokens or 1
     # The smallest B's TTFT less its step and its prompt's attention pairs (measured, where given): what the front
     # end and the prefill per token share.
@@ -403,6 +461,9 @@ def calibrate(profile_dir: str | Path, given: EngineFacts = EngineFacts(), iters
         start = replace(start, step_context=_context(profile), long_context=_context(long),
                         long_step_s=tuple((p.batch_size, (p.tpot_ms.mean or 1.0) / 1e3) for p in long.points))
         profiles.append(long)
+    if core_work:
+        rest = max(rest - start.prefill_s_per_token * prompt, 1e-3)
+        return fit_core_work(start, profiles, rest, iters * len(profiles))
 
     def model_of(x: np.ndarray) -> ReplicaModel:
         longs = tuple((b, abs(float(v)) * 1e-3 + 1e-5) for (b, _), v in zip(start.long_step_s, x[3:]))
@@ -441,6 +502,7 @@ def format_fit(model: ReplicaModel, rows: Sequence[PointFit]) -> str:
              + (f" + {model.prefill_s_per_pair * 1e9:.1f} ns a (query, key) pair of its attention"
                 if model.prefill_s_per_pair else "") + "; "
              f"front end: {model.frontend_s * 1e3:.1f} ms a request{where}"
+             + (f" then {model.frontend_core_s * 1e3:.1f} ms more of the core" if model.frontend_core_s else "")
              + (f" + {model.frontend_latency_s * 1e3:.1f} ms of latency side by side"
                 if model.frontend_latency_s else "") + f", {model.stream_s * 1e6:.0f} us a streamed chunk",
              f"max_num_seqs {model.max_num_seqs}, max_num_batched_tokens {model.max_num_batched_tokens}, "

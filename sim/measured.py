@@ -31,6 +31,11 @@ gives each replica its cores, every process of it on them). The front end's work
 replica's own `SharedDevice`, `block`): the engine's step stands still while a request passes the front end, so a
 burst of arrivals slows the steps running meanwhile. Measured on vLLM-CPU by `bench.frontend_core`: with the API
 server on its engine's core, TTFT p50 under bursty load was 1.4-2.3 x that with it on another core.
+`frontend_core_s` is the rest of a request's work on that core (its way through the engine core process, its
+response's way out), taken as one piece right after the front end: the engine has the request by then, but the
+core is held, so the steps (the request's own first one among them) and the next request's front end wait. On an
+idle vLLM-CPU replica a request of 128 tokens took 8-10 ms of its core's time outside the model while its API
+server's part of vLLM's TTFT was 2.1 ms (docs/sim.md, "What a request costs the replica's one core").
 """
 
 from __future__ import annotations
@@ -77,6 +82,7 @@ class ReplicaModel:
     frontend_on_core: bool = False  # the API server's per-request work shares the engine's core (see above)
     prefill_s_per_pair: float = 0.0  # seconds per (query, key) pair a prompt chunk's attention computes (see above)
     frontend_latency_s: float = 0.0  # time to the engine that requests spend together, beyond frontend_s (see above)
+    frontend_core_s: float = 0.0  # core time a request holds after passing the front end (see above)
 
     def __post_init__(self) -> None:
         if not self.step_s:
@@ -96,8 +102,10 @@ class ReplicaModel:
         if self.frontend_on_core and self.shared_device:
             raise ConfigError("frontend_on_core (an API server on its engine's core) needs a replica with a core of "
                               "its own: shared_device must be false")
+        if self.frontend_core_s and not self.frontend_on_core:
+            raise ConfigError("frontend_core_s (a request's work on its engine's core) needs frontend_on_core")
         for name in ("prefill_s_per_token", "frontend_s", "kv_bytes_per_token", "stream_s", "prefill_s_per_pair",
-                     "frontend_latency_s"):
+                     "frontend_latency_s", "frontend_core_s"):
             if not getattr(self, name) >= 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "num_blocks", "max_model_len"):
@@ -175,31 +183,40 @@ class FrontEnd:
 
     With a `core` (the engine's own device, `ReplicaModel.frontend_on_core`), each request's `service_s` is also
     time the engine's steps stand still (`SharedDevice.block`); the streaming cost stays off the core. `latency_s`
-    is added to each request's way after its turn in the queue: requests spend it side by side."""
+    is added to each request's way after its turn in the queue: requests spend it side by side. `core_s`: work on
+    the core after a request's `service_s`: the request has passed, but the core (and the queue) stay held."""
 
     def __init__(self, service_s: float, stream_s: float = 0.0, core: SharedDevice | None = None,
-                 latency_s: float = 0.0) -> None:
+                 latency_s: float = 0.0, core_s: float = 0.0) -> None:
         self.service_s = service_s
         self.stream_s = stream_s
         self.latency_s = latency_s
+        self.core_s = core_s if core is not None else 0.0
         self.core = core
-        self._base = (service_s, stream_s, latency_s)
+        self._base = (service_s, stream_s, latency_s, self.core_s)
         self._free_at = 0.0
         self._pending: dict[int, float] = {}
 
     @classmethod
-    def of(cls, engine: Engine, service_s: float, stream_s: float = 0.0, latency_s: float = 0.0) -> FrontEnd:
+    def of(cls, engine: Engine, service_s: float, stream_s: float = 0.0, latency_s: float = 0.0,
+           core_s: float = 0.0) -> FrontEnd:
         """`engine`'s front end: on the engine's core where the engine's whole step is work there
         (`Engine.host_on_device`, which `MeasuredSpec` sets from `ReplicaModel.frontend_on_core`)."""
-        return cls(service_s, stream_s, engine.device if engine.host_on_device else None, latency_s)
+        return cls(service_s, stream_s, engine.device if engine.host_on_device else None, latency_s, core_s)
+
+    @classmethod
+    def of_model(cls, engine: Engine, model: ReplicaModel) -> FrontEnd:
+        """`engine`'s front end as `model` describes it."""
+        return cls.of(engine, model.frontend_s, model.stream_s, model.frontend_latency_s, model.frontend_core_s)
 
     def admit(self, now: float) -> float:
         """When a request arriving `now` reaches the engine."""
         start = max(now, self._free_at)
-        self._free_at = start + self.service_s
-        if self.core is not None and self.service_s > 0:
+        passed = start + self.service_s
+        self._free_at = passed + self.core_s
+        if self.core is not None and self._free_at > start:
             self.core.block(start, self._free_at)
-        return self._free_at + self.latency_s
+        return passed + self.latency_s
 
     def deliver(self, now: float, rid: int) -> float:
         """When a token request `rid`'s engine made `now` reaches its client."""
@@ -214,7 +231,7 @@ class FrontEnd:
 
     def set_scale(self, scale: float) -> None:
         """Every cost `scale` times the one it was made with (the machine slower or faster than calibrated)."""
-        self.service_s, self.stream_s, self.latency_s = (scale * cost for cost in self._base)
+        self.service_s, self.stream_s, self.latency_s, self.core_s = (scale * cost for cost in self._base)
 
     def until(self, rid: int) -> float:
         """When request `rid`'s last chunk so far reaches its client (0: none is waiting)."""

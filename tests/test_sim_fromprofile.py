@@ -375,6 +375,35 @@ def test_a_front_end_on_the_engines_core_has_it_first_and_the_step_waits() -> No
     assert done["late"] == pytest.approx(0.034)
 
 
+def test_a_requests_further_core_work_holds_the_core_and_the_next_request_not_its_way_to_the_engine() -> None:
+    """With 4 ms of front end and 6 ms more core work a request on the engine's core: two requests arriving together
+    pass at 4 and 14 ms (the second waits for the first's core work, the first does not), and a 10 ms step started
+    with them ends at 30 ms. Off the core the further work is no one's: 4 and 8 ms, as a plain front end. The model
+    takes it only with its front end on the core, and keeps it through JSON."""
+    from sim.clock import VirtualClock
+    from sim.device import SharedDevice
+    from sim.measured import FrontEnd
+
+    clock = VirtualClock()
+    core = SharedDevice(clock)
+    front = FrontEnd(0.004, core=core, core_s=0.006)
+    done: dict[str, float] = {}
+    core.submit(0.010, lambda: done.setdefault("step", clock.now()))
+    assert [front.admit(0.0), front.admit(0.0)] == pytest.approx([0.004, 0.014])
+    clock.run()
+    assert done["step"] == pytest.approx(0.030)
+    front.set_scale(2.0)
+    assert front.admit(1.0) == pytest.approx(1.008) and front.admit(1.0) == pytest.approx(1.028)
+    off = FrontEnd(0.004, core_s=0.006)
+    assert [off.admit(0.0), off.admit(0.0)] == pytest.approx([0.004, 0.008])
+    with pytest.raises(ConfigError, match="frontend_core_s"):
+        replace(TRUE, frontend_core_s=0.006)
+    with pytest.raises(ConfigError, match="frontend_core_s"):
+        replace(ON_CORE, frontend_core_s=-0.001)
+    worked = replace(ON_CORE, frontend_core_s=0.006)
+    assert ReplicaModel.from_dict(json.loads(worked.to_json())) == worked
+
+
 def test_a_front_end_on_the_core_is_a_flag_of_the_replica_model_and_of_its_calibration(tmp_path: Path) -> None:
     """The flag round-trips through JSON; it needs a core of the replica's own (not a shared GPU); the fit replays
     a profile so, and reproduces one of a replica that is exactly such a model. How the first token's time splits
@@ -390,6 +419,31 @@ def test_a_front_end_on_the_core_is_a_flag_of_the_replica_model_and_of_its_calib
     for row in rows:
         assert row.sim_ttft_p50_ms == pytest.approx(row.ttft_p50_ms, rel=0.1)
         assert row.sim_tpot_mean_ms == pytest.approx(row.tpot_mean_ms, rel=0.05)
+
+
+WORKED = replace(ON_CORE, frontend_s=0.003, frontend_core_s=0.008)  # 3 ms to the engine, 11 ms of its core
+
+
+def test_core_work_calibration_takes_the_prefill_as_measured_and_nets_the_steps_of_the_work(tmp_path: Path) -> None:
+    """A replica whose requests each hold its core for 11 ms (3 ms of it before the engine sees them): with the
+    prefill per token measured, the fit gives back about that work, steps within 3% of the replica's own (the
+    profile's TPOT means carry the others' work, which the netting takes out) and every point's TTFT within 10%.
+    It needs the measured prefill, and is not the latency split."""
+    write_profile(tmp_path / "prof", WORKED)
+    cost = tmp_path / "prefill_cost.json"
+    cost.write_text(json.dumps({"fit": {"per_token_s": WORKED.prefill_s_per_token, "per_pair_s": 0.0}}))
+    fitted, rows = calibrate(tmp_path / "prof", FACTS, iters=20, prefill_cost=cost, core_work=True)
+    assert fitted.frontend_on_core and fitted.prefill_s_per_token == WORKED.prefill_s_per_token
+    assert fitted.frontend_s + fitted.frontend_core_s == pytest.approx(0.011, rel=0.2)
+    for (b, step), (_, true) in zip(fitted.step_s, WORKED.step_s):
+        assert step == pytest.approx(true, rel=0.03), b
+    for row in rows:
+        assert row.sim_ttft_p50_ms == pytest.approx(row.ttft_p50_ms, rel=0.1)
+        assert row.sim_tpot_mean_ms == pytest.approx(row.tpot_mean_ms, rel=0.01)
+    with pytest.raises(CalibrationError, match="--prefill-cost"):
+        calibrate(tmp_path / "prof", FACTS, core_work=True)
+    with pytest.raises(CalibrationError, match="not both"):
+        calibrate(tmp_path / "prof", FACTS, prefill_cost=cost, core_work=True, frontend_latency=True)
 
 
 def test_a_burst_slows_the_steps_of_a_replica_whose_front_end_shares_its_core() -> None:
