@@ -298,6 +298,8 @@ class Setup:
     cpu_twin: bool = False  # simulated sides beside processes that use the CPU the real replicas used
     frontend_on_core: bool = False  # the calibrated replicas' API server on their engine's core (sim.measured)
     frontend_latency: bool = False  # their front end fitted as serial work plus a latency (sim.measured)
+    core_work: bool = False  # their requests' work on the engine's core fitted, the steps netted of it
+    first_seed: int = 0  # the seeds run are first_seed .. first_seed + seeds - 1
     prefill_cost: bool = True  # measure a prefill's cost per attention pair on the first replica (bench.prefill_cost)
 
     def sides(self) -> tuple[str, ...]:
@@ -328,7 +330,7 @@ class Setup:
 
     def _runs(self, side: str) -> list[Run]:
         runs = []
-        for seed in range(self.seeds):
+        for seed in range(self.first_seed, self.first_seed + self.seeds):
             for workload in self.workloads:
                 for arrival in self.arrivals:
                     for load in self.loads:
@@ -431,10 +433,11 @@ def measure(setup: Setup) -> None:
                     meta[f"calibration{suffix(calibration)}"] = calibrate(
                         out, setup.profiles, len(real), suffix(calibration),
                         range(setup.calibration_rounds), base["replicas"][0]["max_num_seqs"], tokenizer, model_path,
-                        setup.frontend_on_core, setup.frontend_latency)
+                        setup.frontend_on_core, setup.frontend_latency, setup.core_work)
                     meta[f"replica_model{suffix(calibration)}"] = str(model_path)
                     meta[f"calibration_rounds{suffix(calibration)}"] = setup.calibration_rounds
                     meta[f"frontend_latency{suffix(calibration)}"] = setup.frontend_latency
+                    meta[f"core_work{suffix(calibration)}"] = setup.core_work
                     meta_path.write_text(json.dumps(meta, indent=1))
                 urls, pids = serve_sim(stack, meta[f"replica_model{suffix(calibration)}"], setup.replicas,
                                        sim_port + 10 * k, out / f"{side_name}.log")
@@ -532,6 +535,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--frontend-latency", action="store_true", help="calibrate replica models whose front end "
                         "is serial work per request plus a latency requests spend side by side "
                         "(`sim calibrate --frontend-latency`)")
+    parser.add_argument("--first-seed", type=int, default=0, help="the first seed run (0): more seeds for an OUT "
+                        "whose real runs were measured with another calibration's profiles go to a new OUT")
+    parser.add_argument("--core-work", action="store_true", help="calibrate replica models whose requests take "
+                        "their engine's core for a fitted time each, the steps netted of it and the prefill per "
+                        "token as bench.prefill_cost measured it (`sim calibrate --core-work`; needs the prefill "
+                        "cost)")
     parser.add_argument("--prefill-cost", action=argparse.BooleanOptionalAction, help="measure what a prefill's "
                         "attention costs per (query, key) pair on the first real replica, one request at a time "
                         "after the first profiles (bench.prefill_cost, about a minute), and calibrate with it "
@@ -563,7 +572,12 @@ def main(argv: Sequence[str] | None = None) -> None:
                     repeats=repeats, follow_speed=args.follow_speed, calibration_rounds=args.calibration_rounds,
                     match_steps=args.match_steps, pair_steps=args.pair_steps, cpu_twin=args.cpu_twin,
                     frontend_on_core=args.frontend_on_core, frontend_latency=args.frontend_latency,
-                    prefill_cost=args.prefill_cost if args.prefill_cost is not None else not args.quick)
+                    core_work=args.core_work, first_seed=args.first_seed, prefill_cost=args.prefill_cost if args.prefill_cost is not None else not args.quick)
+    if setup.core_work and (setup.frontend_latency or not setup.prefill_cost):
+        parser.error("--core-work takes the prefill per token as measured: it needs the prefill cost (not "
+                     "--no-prefill-cost, not --quick without --prefill-cost) and not --frontend-latency")
+    if setup.first_seed < 0 or (setup.first_seed and setup.match_steps):
+        parser.error("--first-seed must be >= 0, and 0 with --match-steps (its warm-up is seed 0)")
     if setup.match_steps and ("together" not in setup.calibrations or setup.seeds < 2):
         parser.error("--match-steps scales the together calibration to the seed-0 runs and is judged on the other "
                      "seeds: it needs together in --calibrations and --seeds 2 or more")

@@ -96,6 +96,26 @@ def test_no_calibration_runs_the_real_side_alone_two_give_two_sides_and_an_unkno
     assert exc.value.code == 2 and "--calibrations: unknown alone" in capsys.readouterr().err
 
 
+def test_more_seeds_start_where_told_and_core_work_needs_the_measured_prefill(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """`--first-seed 2 --seeds 2` runs seeds 2 and 3; `--core-work` takes the prefill per token as measured, so
+    without the prefill cost (or beside the latency split) it is a usage error."""
+    from bench.sim_vs_real import main
+
+    main(["--seeds", "2", "--first-seed", "2", "--loads", "0.5", "--workloads", "mix", "--chat-rates", "",
+          "--policies", "round_robin", "--repeats", "0", "--core-work", "--dry-run"])
+    assert capsys.readouterr().out.split("\n")[1:4] == [
+        "real/mix/poisson/0.5/2/round_robin", "real/mix/poisson/0.5/3/round_robin",
+        "sim-together/mix/poisson/0.5/2/round_robin"]
+    for flags in (["--no-prefill-cost"], ["--frontend-latency"], ["--quick"]):
+        with pytest.raises(SystemExit) as exc:
+            main(["--core-work", *flags, "--dry-run"])
+        assert exc.value.code == 2 and "--core-work takes the prefill per token as measured" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        main(["--first-seed", "-1", "--dry-run"])
+    assert exc.value.code == 2 and "--first-seed must be >= 0" in capsys.readouterr().err
+
+
 def _run(side: str, policy: str, seed: int, ttft_ms: float) -> dict[str, object]:
     return {"side": side, "workload": "mix", "arrival": "poisson", "load": 0.8, "policy": policy, "seed": seed,
             "ttft_s": [ttft_ms / 1000] * 10, "tpot_s": [0.005] * 10, "e2e_s": [0.5] * 10, "hit_rate": float("nan"),
@@ -566,5 +586,7 @@ def test_the_calibration_asks_sim_calibrate_for_the_front_ends_latency_only_when
         assert cal.calibrate(tmp_path, ["p"], 2, "_together", [0], 32, "tok", tmp_path / "m.json",
                              frontend_latency=latency) == "fitted"
     assert "--frontend-latency" not in calls[0] and "--frontend-latency" in calls[1]
+    cal.calibrate(tmp_path, ["p"], 2, "_together", [0], 32, "tok", tmp_path / "m.json", core_work=True)
+    assert "--core-work" in calls[2] and not any("--core-work" in c for c in calls[:2])
     assert calls[1][calls[1].index("calibrate") + 1:calls[1].index("--out")] == [
         "--profile", str(cal.profile_dir(tmp_path, "p", "_together", 0, 0, 2))]
