@@ -572,7 +572,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                     repeats=repeats, follow_speed=args.follow_speed, calibration_rounds=args.calibration_rounds,
                     match_steps=args.match_steps, pair_steps=args.pair_steps, cpu_twin=args.cpu_twin,
                     frontend_on_core=args.frontend_on_core, frontend_latency=args.frontend_latency,
-                    core_work=args.core_work, first_seed=args.first_seed, prefill_cost=args.prefill_cost if args.prefill_cost is not None else not args.quick)
+                    core_work=args.core_work, first_seed=args.first_seed,
+                    prefill_cost=args.prefill_cost if args.prefill_cost is not None else not args.quick)
     if setup.core_work and (setup.frontend_latency or not setup.prefill_cost):
         parser.error("--core-work takes the prefill per token as measured: it needs the prefill cost (not "
                      "--no-prefill-cost, not --quick without --prefill-cost) and not --frontend-latency")

@@ -383,8 +383,8 @@ def fit_core_work(start: ReplicaModel, profiles: Sequence[Profile], rest: float,
                   iters: int) -> tuple[ReplicaModel, list[PointFit]]:
     """`calibrate(core_work=True)`: the prefill per token as `start` has it (measured), the front end and the
     further core work a request fitted to the profiles' TTFTs, the steps netted of that work (`net_steps`), in
-    turns until both settle. `rest`: the smallest B's TTFT less its step and its prefill, where the search starts
-    (a quarter of it as front end, the rest as core work)."""
+    three turns (on vLLM-CPU's profiles the steps moved under 0.5% in the last). `rest`: the smallest B's TTFT
+    less its step and its prefill, where the search starts (a quarter of it as front end, the rest as core work)."""
     model = start
     x = np.array([rest / 4 * 1e3, rest * 3 / 4 * 1e3])
     for _ in range(3):
