@@ -341,31 +341,38 @@ def _grouped(profiles: Sequence[Profile]) -> list[Profile]:
     return [median_of_rounds(group) for group in groups.values()]
 
 
-def prefill_pair_cost(path: str | Path) -> float:
-    """The seconds per (query, key) pair of a prefill's attention that `bench.prefill_cost` measured (its JSON)."""
+def _prefill_fit(path: str | Path, name: str) -> float | None:
+    """`fit.<name>` of `bench.prefill_cost`'s JSON at `path` (None where it is not a number); a file that cannot be
+    read or is not JSON is an error naming it."""
     try:
         data = json.loads(Path(path).read_text(encoding="utf-8"))
     except OSError as exc:
         raise CalibrationError(f"cannot read the prefill cost {str(path)!r}: {exc.strerror}") from None
     except json.JSONDecodeError as exc:
         raise CalibrationError(f"{str(path)!r} is not JSON: {exc}") from None
-    value = data.get("fit", {}).get("per_pair_s") if isinstance(data, dict) else None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    value = data.get("fit", {}).get(name) if isinstance(data, dict) else None
+    return None if isinstance(value, bool) or not isinstance(value, (int, float)) else float(value)
+
+
+def prefill_pair_cost(path: str | Path) -> float:
+    """The seconds per (query, key) pair of a prefill's attention that `bench.prefill_cost` measured (its JSON)."""
+    value = _prefill_fit(path, "per_pair_s")
+    if value is None:
         raise CalibrationError(f"{str(path)!r} has no fit.per_pair_s (write it with `python -m bench.prefill_cost "
                                f"--out`)")
     if value < 0:
         raise CalibrationError(f"{str(path)!r}: fit.per_pair_s is {value:g}; a prefill cannot get cheaper with the "
                                f"context it attends to, so its readings are noise: measure it again")
-    return float(value)
+    return value
 
 
 def prefill_token_cost(path: str | Path) -> float:
     """The seconds per prompt token that `bench.prefill_cost` measured (its JSON's fit.per_token_s)."""
-    value = json.loads(Path(path).read_text(encoding="utf-8")).get("fit", {}).get("per_token_s")
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+    value = _prefill_fit(path, "per_token_s")
+    if value is None or not value > 0:
         raise CalibrationError(f"{str(path)!r} has no positive fit.per_token_s (write it with `python -m "
                                f"bench.prefill_cost --out`)")
-    return float(value)
+    return value
 
 
 def net_steps(model: ReplicaModel, profiles: Sequence[Profile]) -> ReplicaModel:
