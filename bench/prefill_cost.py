@@ -106,13 +106,15 @@ def cells_within(cells: Sequence[tuple[int, int]], max_model_len: int | None) ->
 def measure(url: str, model: str, cells: Sequence[tuple[int, int]], reps: int, seed: int = 0,
             vocab: tuple[int, int] = (4, 1000), timeout_s: float = 60.0) -> list[Reading]:
     """Each cell `reps` times, one request at a time, on the replica at `url` serving `model` (see the module's
-    text)."""
+    text). The reps go in rounds, each round every cell once: this machine's speed moves by half within minutes
+    (docs/sim.md, "Where a long prompt's time goes"), and a cell measured all at once in a slow moment would bend
+    the fit's split between tokens and pairs; in rounds, every cell's median is taken over the same moments."""
     rng = random.Random(seed)
     complete(url, model, [rng.randrange(*vocab) for _ in range(64)], timeout_s)  # the first request's warm-up
-    readings = []
-    for cached, new in cells:
-        times, hits = [], []
-        for _ in range(reps):
+    times: dict[tuple[int, int], list[float]] = {cell: [] for cell in cells}
+    hits: dict[tuple[int, int], list[float]] = {cell: [] for cell in cells}
+    for _ in range(reps):
+        for cached, new in cells:
             prefix = [rng.randrange(*vocab) for _ in range(cached)]
             if cached:
                 complete(url, model, prefix + [rng.randrange(*vocab)], timeout_s)
@@ -122,9 +124,12 @@ def measure(url: str, model: str, cells: Sequence[tuple[int, int]], reps: int, s
             count = after[PREFILL[1]] - before[PREFILL[1]]
             if count != 1:
                 raise RuntimeError(f"{url} prefilled {count:g} requests during one probe: is the replica idle?")
-            times.append((after[PREFILL[0]] - before[PREFILL[0]]) * 1e3)
-            hits.append(after[HITS] - before[HITS])
-        readings.append(Reading(cached, new, statistics.median(times), statistics.median(hits), reps))
+            times[cached, new].append((after[PREFILL[0]] - before[PREFILL[0]]) * 1e3)
+            hits[cached, new].append(after[HITS] - before[HITS])
+    readings = []
+    for cached, new in cells:
+        readings.append(Reading(cached, new, statistics.median(times[cached, new]),
+                                statistics.median(hits[cached, new]), reps))
         print(f"cached {cached:5d} + new {new:5d}: prefill {readings[-1].prefill_ms:7.2f} ms "
               f"(hit {readings[-1].hit_tokens:.0f} tokens)", flush=True)
     return readings
