@@ -19,6 +19,7 @@ from .common import markdown_table, pyplot
 from .sim_vs_real_calibration import PREFILL_COST, profile_dir, profiled, round_models
 from .sim_vs_real_goals import GOALS, goals_lines, median_errors
 from .sim_vs_real_inflight import inflight_lines
+from .sim_vs_real_lengths import length_lines
 from .sim_vs_real_ranking import point_of, ranking_lines, verdict_lines
 from .sim_vs_real_rounds import models_lines, rounds_lines
 from .sim_vs_real_steps import speedometer_lines, steps_lines
@@ -255,7 +256,9 @@ def report(out: Path, meta: dict[str, Any]) -> str:
         lines += ranking_lines(held, table_held, MATCHED)
         lines += steps_lines(held, int(meta.get("replicas", 2)), MATCHED, meta.get("replica_model_together"),
                              scaled=True)
-    lines += ttft_lines(rows, ["real", *(n for n in (*CALIBRATIONS.values(), FOLLOWED, PAIRED, MATCHED) if n in table)])
+    simulated = [n for n in (*CALIBRATIONS.values(), FOLLOWED, PAIRED, MATCHED) if n in table]
+    lines += ttft_lines(rows, ["real", *simulated])
+    lines += length_lines(rows, simulated)
     lines += ["## The default on real replicas (p99 TTFT, ms, pooled over seeds)", ""]
     judged = []
     for point, by in real.items():

@@ -1,0 +1,41 @@
+"""bench/sim_vs_real_lengths.py: the report's TTFT by prompt length (made-up runs)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from bench.sim_vs_real_lengths import groups, length_lines
+
+
+def run(side: str, seed: int, firsts: list[tuple[float, int]], workload: str = "mix") -> dict[str, Any]:
+    return {"side": side, "workload": workload, "arrival": "poisson", "load": 0.8, "seed": seed,
+            "policy": "prefix_affinity", "repeat": 0,
+            "firsts": [[i * 0.1, ttft, prompt, "r0"] for i, (ttft, prompt) in enumerate(firsts)]}
+
+
+def test_each_length_is_set_against_the_real_one_pooled_over_seeds() -> None:
+    """Short prompts right and long ones 20% short: the table says so per length, where the pooled median would
+    not; a run without its real twin is left out."""
+    rows = []
+    for seed in (0, 1):
+        real = [(0.050, 128)] * 8 + [(0.200, 1024)] * 2
+        rows += [run("real", seed, real), run("sim-together", seed, [(t * (0.8 if n == 1024 else 1.0), n)
+                                                                     for t, n in real])]
+    rows.append(run("sim-together", 7, [(5.0, 128)]))  # no real run of seed 7
+    table = [line for line in "\n".join(length_lines(rows, ["sim-together"])).splitlines() if line.startswith("| mix/")]
+    assert table == ["| mix/poisson/0.8 | 128 | sim-together | 16 | 50 | 50 | +0% | 50 | 50 | +0% |",
+                     "| mix/poisson/0.8 | 1024 | sim-together | 4 | 200 | 160 | -20% | 200 | 160 | -20% |"]
+    assert length_lines(rows, ["sim-paired"]) == []  # no such side: no section
+    assert length_lines([run("real", 0, real)], ["sim-together"]) == []
+
+
+def test_many_lengths_fall_into_halves_about_the_median() -> None:
+    names, group_of = groups([100, 200, 300, 400, 500])
+    assert names == ["<= 300", "> 300"] and group_of(300) == "<= 300" and group_of(301) == "> 300"
+    names, group_of = groups([1024, 128, 128])
+    assert names == ["128", "1024"] and group_of(1024) == "1024"
+    rows = [run("real", 0, [(0.01 * i, 100 * i) for i in range(1, 7)], "sharegpt"),
+            run("sim-paired", 0, [(0.01 * i, 100 * i) for i in range(1, 7)], "sharegpt")]
+    table = [line for line in "\n".join(length_lines(rows, ["sim-paired"])).splitlines()
+             if line.startswith("| sharegpt")]
+    assert [line.split(" | ")[1] for line in table] == ["<= 350", "> 350"]
