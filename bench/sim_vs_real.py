@@ -61,7 +61,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -93,11 +93,11 @@ def python() -> str:
     return sys.executable
 
 
-def spawn(argv: Sequence[str], log: Path) -> subprocess.Popen[bytes]:
-    """`argv` in its own process group, output appended to `log`."""
+def spawn(argv: Sequence[str], log: Path, env: Mapping[str, str] | None = None) -> subprocess.Popen[bytes]:
+    """`argv` in its own process group, output appended to `log`; `env`: its environment (default: ours)."""
     with log.open("ab") as out:
         return subprocess.Popen(list(argv), stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True)
+                                start_new_session=True, env=None if env is None else dict(env))
 
 
 def stop(proc: subprocess.Popen[bytes], grace_s: float = 30.0) -> None:
@@ -128,8 +128,9 @@ def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout_s: float, log: P
 
 
 @contextmanager
-def process(argv: Sequence[str], log: Path, ready: str, timeout_s: float) -> Iterator[subprocess.Popen[bytes]]:
-    proc = spawn(argv, log)
+def process(argv: Sequence[str], log: Path, ready: str, timeout_s: float,
+            env: Mapping[str, str] | None = None) -> Iterator[subprocess.Popen[bytes]]:
+    proc = spawn(argv, log, env)
     try:
         wait_ready(ready, proc, timeout_s, log)
         yield proc

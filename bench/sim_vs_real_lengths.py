@@ -17,12 +17,9 @@ import numpy as np
 
 from .common import markdown_table
 from .sim_vs_real_ranking import point_of
+from .sim_vs_real_steps import twin_key
 
 MAX_LENGTHS = 4  # distinct prompt lengths a workload may have to be grouped length by length
-
-
-def _key(row: dict[str, Any]) -> tuple[Any, ...]:
-    return row["workload"], row["arrival"], row["load"], row["seed"], row["policy"], row.get("repeat", 0)
 
 
 def groups(lengths: Sequence[int]) -> tuple[list[str], Any]:
@@ -38,12 +35,12 @@ def groups(lengths: Sequence[int]) -> tuple[list[str], Any]:
 def length_lines(rows: Sequence[dict[str, Any]], sides: Sequence[str]) -> list[str]:
     """The report's section: per point, prompt length and simulated side, the real and simulated TTFT p50 and p90
     (ms) and their errors."""
-    real = {_key(r): r for r in rows if r["side"] == "real" and r["workload"] != "chat" and r.get("firsts")}
+    real = {twin_key(r): r for r in rows if r["side"] == "real" and r["workload"] != "chat" and r.get("firsts")}
     body = []
     for side in sides:
         pairs: dict[str, list[tuple[dict[str, Any], dict[str, Any]]]] = {}
         for r in rows:
-            twin = real.get(_key(r)) if r["side"] == side and r.get("firsts") else None
+            twin = real.get(twin_key(r)) if r["side"] == side and r.get("firsts") else None
             if twin is not None:
                 pairs.setdefault(point_of(r), []).append((twin, r))
         for point in sorted(pairs):

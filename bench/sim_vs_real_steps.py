@@ -106,7 +106,8 @@ def decoding_context(records: Sequence[dict[str, Any]]) -> float | None:
     return sum(o * (p + o / 2) for o, p in pairs) / out if out else None
 
 
-def _twin(row: dict[str, Any]) -> tuple[Any, ...]:
+def twin_key(row: dict[str, Any]) -> tuple[Any, ...]:
+    """What a run and its twin on another side share: workload, arrivals, load, seed, policy."""
     return row["workload"], row["arrival"], row["load"], row["seed"], row["policy"]
 
 
@@ -114,12 +115,12 @@ def steps_lines(rows: Sequence[dict[str, Any]], replicas: int, sim_side: str,
                 model_path: str | None = None, scaled: bool = False) -> list[str]:
     """The report's section: per point, each side's median engine batch, step and prompt tokens a step; the
     replica model at the real batch (`scaled`: times the scale the simulated twin of each real run ran at)."""
-    scales = {_twin(r): float(r["scale"]) for r in rows if scaled and r["side"] == sim_side and "scale" in r}
+    scales = {twin_key(r): float(r["scale"]) for r in rows if scaled and r["side"] == sim_side and "scale" in r}
     cells: dict[tuple[str, str], list[tuple[float, float, float, float, float | None, float]]] = {}
     for r in rows:
         figures = per_run(r, replicas) if r["workload"] != "chat" and r["side"] in ("real", sim_side) else None
         if figures:
-            scale = scales.get(_twin(r), math.nan) if scaled else 1.0
+            scale = scales.get(twin_key(r), math.nan) if scaled else 1.0
             cells.setdefault((point_of(r), r["side"]), []).append(
                 (*figures, scale, r.get("context"), pairs_a_step(r)))
     points = sorted({p for p, _ in cells})

@@ -32,8 +32,8 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Iterable, Iterator, Sequence
-from contextlib import ExitStack, contextmanager
+from collections.abc import Iterable, Sequence
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -43,11 +43,13 @@ import yaml
 
 from bench.common import machine_speed
 from bench.otlp_collector import Span, spooling_collector
-from bench.sim_vs_real import WORKLOADS, capacity, loadtest, process, python
+from bench.sim_vs_real import WORKLOADS, capacity, gateway_config, loadtest, process, python
 from sim.measured import ReplicaModel
 
 PARTS = ("to_vllm", "to_first_step", "prefill", "out")
 LABELS = ("to vLLM", "to its first step", "prefill", "first token out")
+# vLLM's span exporter over OTLP/HTTP; the replicas inherit it from `deploy up`
+TRACING_ENV = {"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf", "OTEL_SERVICE_NAME": "vllm"}
 
 
 @dataclass(frozen=True)
@@ -116,6 +118,12 @@ def by_length(requests: Sequence[Request]) -> dict[int, dict[str, float]]:
             for n, rs in sorted(lengths.items())}
 
 
+def prefill_work(model: ReplicaModel, prompt: int) -> float:
+    """What `model` charges a prompt of `prompt` uncached tokens beyond its step: the tokens and the (query, key)
+    pairs their attention computes."""
+    return model.prefill_s_per_token * prompt + model.prefill_s_per_pair * prompt * (prompt + 1) / 2
+
+
 def model_terms(requests: Sequence[Request], model: ReplicaModel) -> list[tuple[Request, float, float]]:
     """Each request whose prefill had its replica's steps to itself (no other prompt between its first schedule
     and its first token), with the model's step at the batch then decoding on its replica (itself counted) and
@@ -127,9 +135,7 @@ def model_terms(requests: Sequence[Request], model: ReplicaModel) -> list[tuple[
             continue
         decoding = [o for o in mine if o.first <= r.scheduled and o.end > r.first]
         context = statistics.mean(o.prompt_tokens + o.output_tokens / 2 for o in decoding) if decoding else None
-        n = r.prompt_tokens
-        out.append((r, model.step(len(decoding) + 1, context),
-                    model.prefill_s_per_token * n + model.prefill_s_per_pair * n * (n + 1) / 2))
+        out.append((r, model.step(len(decoding) + 1, context), prefill_work(model, r.prompt_tokens)))
     return out
 
 
@@ -164,24 +170,6 @@ def against_model(requests: Sequence[Request], model: ReplicaModel) -> dict[str,
 
 # -- the run ----------------------------------------------------------------------------------------------------
 
-def gateway_config(deploy_yaml: Path, port: int, endpoint: str) -> dict[str, Any]:
-    """`deploy up`'s gateway, on `port`, with every request traced to `endpoint`."""
-    base = yaml.safe_load(deploy_yaml.read_text())
-    return {**base, "port": port, "tracing": {"endpoint": endpoint, "sampling_ratio": 1.0}}
-
-
-@contextmanager
-def traced_env() -> Iterator[None]:
-    """OTLP over HTTP for the processes started inside, this process's environment as it was afterwards."""
-    saved = dict(os.environ)
-    os.environ.update(OTEL_EXPORTER_OTLP_TRACES_PROTOCOL="http/protobuf", OTEL_SERVICE_NAME="vllm")
-    try:
-        yield
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
-
-
 def run(out: Path, replicas: int, loads: Sequence[float], seeds: int, duration: float, port: int,
         model: ReplicaModel | None) -> list[dict[str, Any]]:
     out.mkdir(parents=True, exist_ok=True)
@@ -189,13 +177,14 @@ def run(out: Path, replicas: int, loads: Sequence[float], seeds: int, duration: 
     with ExitStack() as stack:
         collector = stack.enter_context(spooling_collector(out / "spool"))
         run_dir = out / "deploy"
-        with traced_env():  # vLLM's exporter reads these; the replicas inherit them from `deploy up`
-            stack.enter_context(process(
-                [python(), "-m", "deploy.cli", "up", "--replicas", str(replicas), "--model", "tiny", "--port",
-                 str(port), "--replica-port-base", str(port + 10), "--run-dir", str(run_dir), "--host", "127.0.0.1",
-                 "--", "--otlp-traces-endpoint", collector.url],
-                out / "deploy.log", f"http://127.0.0.1:{port}/ready", 900))
-        config = gateway_config(run_dir / "gateway.yaml", port + 1, collector.url)
+        stack.enter_context(process(
+            [python(), "-m", "deploy.cli", "up", "--replicas", str(replicas), "--model", "tiny", "--port", str(port),
+             "--replica-port-base", str(port + 10), "--run-dir", str(run_dir), "--host", "127.0.0.1",
+             "--", "--otlp-traces-endpoint", collector.url],
+            out / "deploy.log", f"http://127.0.0.1:{port}/ready", 900, env={**os.environ, **TRACING_ENV}))
+        base = yaml.safe_load((run_dir / "gateway.yaml").read_text())
+        config = {**gateway_config(base, [r["url"] for r in base["replicas"]], base["policy"], port + 1),
+                  "tracing": {"endpoint": collector.url, "sampling_ratio": 1.0}}
         (out / "gateway.yaml").write_text(yaml.safe_dump(config))
         gateway = f"http://127.0.0.1:{port + 1}"
         stack.enter_context(process([python(), "-m", "gateway.cli", "serve", "--config", str(out / "gateway.yaml"),

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from bench.otlp_collector import Span
-from bench.ttft_by_length import Request, against_model, by_length, main, report, requests_from_spans, robust_fit
+from bench.ttft_by_length import (Request, against_model, by_length, main, prefill_work, report,
+                                  requests_from_spans, robust_fit)
 from sim.measured import ReplicaModel
 
 MODEL = ReplicaModel("m", step_s=((1, 0.010), (8, 0.020)), prefill_s_per_token=1e-4, frontend_s=0.0, max_num_seqs=8,
@@ -60,15 +61,12 @@ def test_the_fit_recovers_how_much_slower_than_the_model_the_prefill_ran() -> No
     requests, at = [], 0.0
     for i in range(12):
         prompt = (128, 1024)[i % 2]
-        work = MODEL.prefill_s_per_token * prompt + MODEL.prefill_s_per_pair * prompt * (prompt + 1) / 2
-        prefill = (MODEL.step(1) + 1.5 * work) * (3.0 if i == 5 else 1.0)
+        prefill = (MODEL.step(1) + 1.5 * prefill_work(MODEL, prompt)) * (3.0 if i == 5 else 1.0)
         requests.append(Request("r0", prompt, 32, at, at + 0.003, prefill + 0.02, at - 0.0002, prefill + 0.01,
                                 prefill, prefill + 0.05))
         at += 1.0
     requests.append(Request("r0", 128, 32, 4.01, 4.012, 0.05, 4.0098, 0.04, 0.03, 0.1))  # overlaps the fifth's
-    s_step, s_prefill = robust_fit([(r, MODEL.step(1), MODEL.prefill_s_per_token * r.prompt_tokens
-                                     + MODEL.prefill_s_per_pair * r.prompt_tokens * (r.prompt_tokens + 1) / 2)
-                                    for r in requests[:12]])
+    s_step, s_prefill = robust_fit([(r, MODEL.step(1), prefill_work(MODEL, r.prompt_tokens)) for r in requests[:12]])
     assert s_step == pytest.approx(1.0, abs=0.05) and s_prefill == pytest.approx(1.5, abs=0.05)
     judged = against_model(requests, MODEL)
     assert judged["alone"] == 11  # the overlapping pair is out: each had the other's prompt in its span
