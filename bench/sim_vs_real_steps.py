@@ -93,7 +93,7 @@ def pairs_a_step(row: dict[str, Any]) -> float:
         return 0.0
     hit = row.get("hit_rate")
     hit = hit if isinstance(hit, float) and math.isfinite(hit) else 0.0
-    return sum(f[2] ** 2 for f in firsts) * (1 - hit * hit) / 2 / engine["steps"]
+    return float(sum(f[2] ** 2 for f in firsts) * (1 - hit * hit) / 2 / engine["steps"])
 
 
 def decoding_context(records: Sequence[dict[str, Any]]) -> float | None:
