@@ -20,7 +20,7 @@ from typing import Any
 
 import aiohttp
 
-from planner.client import LoadResult, RequestResult, Timeouts, run_load
+from planner.client import LoadResult, RequestResult, Timeouts, load_session, run_load
 from planner.errors import RunError
 from planner.workload import RequestSpec
 
@@ -65,7 +65,7 @@ def _client(index: int, url: str, model: str, share: Share, timeouts: Timeouts,
 
 
 async def _drive(url: str, model: str, share: Share, timeouts: Timeouts) -> LoadResult:
-    async with aiohttp.ClientSession() as session:
+    async with load_session() as session:
         return await run_load(session, url, model, share.requests, share.concurrency, timeouts)
 
 

@@ -21,7 +21,7 @@ from typing import Any
 import aiohttp
 
 from deploy.plan import ModelEntry, Plan, ReplicaSpec
-from planner.client import RequestResult, Timeouts, stream_completion
+from planner.client import RequestResult, Timeouts, load_session, stream_completion
 from planner.errors import PlannerError, RunError
 from planner.multiplan import facts_source
 from planner.validate import Deployer
@@ -98,7 +98,7 @@ async def drive(url: str, models: tuple[ModelEntry, ...], config: MultiValidateC
     rng = random.Random(config.seed)
     results: dict[str, list[RequestResult]] = {m.name: [] for m in models}
     tasks: list[asyncio.Task[None]] = []
-    async with aiohttp.ClientSession() as session:
+    async with load_session() as session:
         async def one(entry: ModelEntry, index: int) -> None:
             traffic = entry.traffic
             text = (builders or {}).get(entry.name, approximate).build(int(traffic.get("input_tokens") or 16), index)

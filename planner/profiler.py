@@ -18,7 +18,7 @@ from pathlib import Path
 import aiohttp
 
 from deploy.process import ProcessError
-from planner.client import LoadResult, RequestResult, Timeouts, run_load, served_model
+from planner.client import LoadResult, RequestResult, Timeouts, load_session, run_load, served_model
 from planner.errors import PlannerError, RunError
 from planner.gpu import GpuSampler
 from planner.points import GpuSummary, ProfileContext, ProfilePoint
@@ -163,7 +163,7 @@ class Profiler:
         n = self.config.requests_for(batch)
         timeouts = self.config.timeouts
         seed = self.config.prompt_seed * SEED_STRIDE
-        async with aiohttp.ClientSession() as session:
+        async with load_session() as session:
             model = self.config.model_name or await served_model(session, url)
             first = seed + batch * 10**6  # the point's first prompt index
             warmup = self.config.warmup_for(batch)

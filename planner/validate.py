@@ -24,7 +24,7 @@ import aiohttp
 
 from deploy.plan import Plan, dump
 from deploy.process import ManagedProcess, ProcessError
-from planner.client import Timeouts, run_load, served_model
+from planner.client import Timeouts, load_session, run_load, served_model
 from planner.errors import PlannerError, RunError
 from planner.multiclient import run_load_processes
 from planner.stats import RunSummary, summarize
@@ -208,7 +208,7 @@ class Validator:
 
     async def _warm_up(self, url: str, concurrency: int) -> str:
         """The served model's name, after the warm-up requests."""
-        async with aiohttp.ClientSession() as session:
+        async with load_session() as session:
             model = await served_model(session, url)
             if self.config.warmup_requests:
                 warm = self.workload.requests(self.config.warmup_requests, 10**9)

@@ -7,12 +7,15 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from tests.fake_replica import STATS, FakeBehavior, make_app
+
 from deploy.process import ManagedProcess
 from planner.client import RequestResult, Timeouts
-from planner.multiclient import on_wall_clock, run_load_processes, split
+from planner.multiclient import Share, _drive, on_wall_clock, run_load_processes, split
 from deploy.ports import free_ports
 from planner.workload import RequestSpec
 
@@ -58,3 +61,12 @@ def test_processes_share_one_load_at_the_concurrency_asked(tmp_path: Path) -> No
     # 6 waves of 5 tokens at 20 ms: the two processes ran side by side, not one after the other
     assert load.duration_s < 0.75 * sum(r.e2e_s for r in load.results) / 2
 
+
+
+async def test_a_client_process_keeps_more_than_100_requests_in_flight(aiohttp_server: Any) -> None:
+    """One client process's share at 120 in flight: the fake sees all 120 at once (aiohttp's default session
+    would stop at 100 connections; planner.client.load_session)."""
+    server = await aiohttp_server(make_app(FakeBehavior(ttft_s=0.6, itl_s=0.005)))
+    url = str(server.make_url("")).rstrip("/")
+    load = await _drive(url, "fake-model", Share(tuple(specs(120)), 120), Timeouts(request_s=30.0))
+    assert server.app[STATS].max_running == 120 and all(r.error is None for r in load.results)
