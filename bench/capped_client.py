@@ -1,0 +1,127 @@
+"""What aiohttp's 100-connection default did to the stored GPU runs' closed loops, and the simulator without it.
+
+Until 2026-11-30 `planner profile`, `planner validate` and their client processes opened `aiohttp.ClientSession()`,
+whose connector holds at most 100 connections. A closed loop of B > 100 from one client process kept 100 requests
+at the replica; the other B - 100 waited for a connection on the client, timed as part of their TTFT, and the
+`/metrics` scrapes waited behind them (planner.client.load_session, which lifts the cap). Every GPU run so far
+(docs/bench/gpu/, H200, 2026-11-26..29) was measured that way. This reads what they stored:
+
+- per point of B > 100: by Little's law a request spent (B - 100) / throughput waiting for a connection, on
+  average; beside it the mean TTFT measured, and the `/metrics` scrapes left unanswered;
+- each frontier calibrated (`sim calibrate`, with the GPU's front-end latency) as stored, and with its points of
+  B > 100 labelled as the 100 requests the replica had (the smallest such point kept, the others dropped: they too
+  held 100).
+
+    python -m bench.capped_client [--gpu docs/bench/gpu] [--out docs/bench/gpu/capped_client_2026-11-30.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from sim.fromprofile import EngineFacts, calibrate
+
+from .common import markdown_table
+
+POOL = 100  # aiohttp's TCPConnector(limit=100), the default of ClientSession()
+FRONTIERS = {"qwen3-1.7b-2026-11-29": ("synthetic-qwen3-1.7b", 4096), "opt-1.3b": ("synthetic-opt-1.3b", 2048),
+             "run2-2026-11-26/qwen3-1.7b": ("synthetic-qwen3-1.7b", 4096),
+             "run3-2026-11-27/opt-1.3b": ("synthetic-opt-1.3b", 2048)}  # run: (served name, max_model_len)
+
+
+def pool_rows(gpu: Path) -> list[dict[str, Any]]:
+    """Every stored closed-loop point of B > POOL under `gpu`: its wait for a connection by Little's law beside
+    its mean TTFT."""
+    rows = []
+    for path in sorted(gpu.glob("**/point-b*.json")):
+        point = json.loads(path.read_text())["point"]
+        batch, rate = int(point["batch_size"]), float(point["req_s"])
+        if batch <= POOL or rate <= 0:
+            continue
+        wait_ms = 1e3 * (batch - POOL) / rate
+        rows.append({"point": str(path.relative_to(gpu)), "batch_size": batch, "req_s": rate,
+                     "ttft_mean_ms": point["ttft_ms"]["mean"], "ttft_p50_ms": point["ttft_ms"]["p50"],
+                     "pool_wait_ms": wait_ms, "ttft_over_wait": point["ttft_ms"]["mean"] / wait_ms,
+                     "metrics_missed": point.get("metrics_missed")})
+    return rows
+
+
+def relabelled(src: Path, dst: Path) -> list[int]:
+    """A copy of the profile `src` at `dst` whose points of B > POOL are one point at B = POOL (the smallest of
+    them); the batch sizes of the copy."""
+    shutil.copytree(src, dst)
+    over = sorted(int(p.stem.removeprefix("point-b")) for p in dst.glob("point-b*.json")
+                  if int(p.stem.removeprefix("point-b")) > POOL)
+    for batch in over:
+        path = dst / f"point-b{batch:05d}.json"
+        data = json.loads(path.read_text())
+        path.unlink()
+        if batch == over[0]:
+            data["point"]["batch_size"] = POOL
+            (dst / f"point-b{POOL:05d}.json").write_text(json.dumps(data))
+    return sorted(int(p.stem.removeprefix("point-b")) for p in dst.glob("point-b*.json"))
+
+
+def calibration_rows(gpu: Path, runs: dict[str, tuple[str, int]]) -> list[dict[str, Any]]:
+    """Each run's frontier calibrated as stored and relabelled: TTFT p50 and mean TPOT, real and simulated."""
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for run, (name, length) in runs.items():
+            src = gpu / run / "frontier"
+            sizes = [int(p.stem.removeprefix("point-b")) for p in src.glob("point-b*.json")]
+            facts = EngineFacts(max_num_seqs=max(sizes), max_num_batched_tokens=8192, chunked_prefill=True,
+                                prefix_caching=True, max_model_len=length, model_name=name)
+            cost = gpu / run / "points" / "frontier" / "prefill_cost.json"
+            for relabel in (False, True):
+                profile = Path(tmp) / run.replace("/", "_") / str(relabel)
+                if relabel:
+                    relabelled(src, profile)
+                else:
+                    shutil.copytree(src, profile)
+                _, fits = calibrate(profile, facts, prefill_cost=cost if cost.exists() else None,
+                                    frontend_latency=True)
+                rows += [{"run": run, "relabelled": relabel, "batch_size": f.batch_size,
+                          "ttft_p50_ms": f.ttft_p50_ms, "sim_ttft_p50_ms": f.sim_ttft_p50_ms,
+                          "tpot_mean_ms": f.tpot_mean_ms, "sim_tpot_mean_ms": f.sim_tpot_mean_ms} for f in fits]
+    return rows
+
+
+def report(pool: Sequence[dict[str, Any]], fits: Sequence[dict[str, Any]]) -> str:
+    lines = ["Points of B > 100: (B - 100) / throughput is the mean wait for a connection by Little's law.", "",
+             markdown_table(["point", "B", "req/s", "TTFT mean ms", "TTFT p50 ms", "(B - 100) / req/s ms",
+                             "mean / wait", "scrapes unanswered"],
+                            [[r["point"], r["batch_size"], f"{r['req_s']:.1f}", f"{r['ttft_mean_ms']:.0f}",
+                              f"{r['ttft_p50_ms']:.0f}", f"{r['pool_wait_ms']:.0f}", f"{r['ttft_over_wait']:.2f}",
+                              r["metrics_missed"]] for r in pool]), ""]
+    body = [[r["run"], "B > 100 as 100" if r["relabelled"] else "as stored", r["batch_size"],
+             f"{r['ttft_p50_ms']:.1f}", f"{r['sim_ttft_p50_ms']:.1f}", f"{r['sim_ttft_p50_ms'] / r['ttft_p50_ms'] - 1:+.0%}",
+             f"{r['tpot_mean_ms']:.2f}", f"{r['sim_tpot_mean_ms']:.2f}",
+             f"{r['sim_tpot_mean_ms'] / r['tpot_mean_ms'] - 1:+.0%}"] for r in fits]
+    lines += ["Each frontier calibrated (`sim calibrate`, front-end latency) and its error at the points fitted:", "",
+              markdown_table(["run", "frontier", "B", "TTFT p50 real", "sim", "error", "TPOT mean real", "sim",
+                              "error"], body), ""]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.capped_client", description=__doc__.split("\n")[0])
+    parser.add_argument("--gpu", type=Path, default=Path("docs/bench/gpu"), help="the stored GPU runs")
+    parser.add_argument("--out", type=Path, help="write the rows here as JSON")
+    args = parser.parse_args(argv)
+    if not args.gpu.is_dir():
+        parser.error(f"--gpu {args.gpu}: no such folder")
+    pool = pool_rows(args.gpu)
+    fits = calibration_rows(args.gpu, {run: v for run, v in FRONTIERS.items() if (args.gpu / run / "frontier").is_dir()})
+    print(report(pool, fits))
+    if args.out:
+        args.out.write_text(json.dumps({"pool": pool, "fits": fits}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
