@@ -12,7 +12,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import aiohttp
@@ -105,6 +105,7 @@ class Profiler:
                  out: Callable[[str], None] = print) -> None:
         self.config, self.servers, self.workload = config, servers, workload
         self.context, self.gpu, self.out = context, gpu, out
+        self.client_cores: float | None = None  # the last point's: this process's CPU over its wall time
 
     def run(self) -> list[Path]:
         """Measure every point not yet on disk; return the point files (all of them, old and new)."""
@@ -156,7 +157,8 @@ class Profiler:
                  f"{point.tpot_ms.p99} ms, p99 TTFT {point.ttft_ms.p99} ms, peak KV "
                  f"{_pct(point.peak_kv_usage)}, preemptions {point.preemptions}, running "
                  f"{'n/a' if point.mean_running is None else f'{point.mean_running:.1f}'} on average "
-                 f"({point.metrics_missed} /metrics scrapes unanswered) -> {path}")
+                 f"({point.metrics_missed} /metrics scrapes unanswered), client process "
+                 f"{'n/a' if self.client_cores is None else f'{self.client_cores:.2f}'} cores -> {path}")
 
     async def measure(self, url: str, batch: int) -> ProfilePoint:
         """One point against a replica at `url`: warm up, run, scrape, sample."""
@@ -179,18 +181,21 @@ class Profiler:
     async def _run_sampled(self, session: aiohttp.ClientSession, url: str, model: str,
                            requests: Sequence[RequestSpec], batch: int,
                            progress: Progress) -> tuple[LoadResult, GpuSummary | None]:
+        cpu = time.process_time()  # the client's own CPU: one process streaming every token can be the limit
         if self.gpu is None:
-            return await run_load(session, url, model, requests, batch, self.config.timeouts, progress), None
+            load = await run_load(session, url, model, requests, batch, self.config.timeouts, progress)
+            return replace(load, client_cpu_s=time.process_time() - cpu), None
         self.gpu.start()
         try:
             load = await run_load(session, url, model, requests, batch, self.config.timeouts, progress)
         finally:
             summary = self.gpu.stop()
-        return load, summary
+        return replace(load, client_cpu_s=time.process_time() - cpu), summary
 
     def _to_point(self, batch: int, load: LoadResult, watcher: MetricsWatcher,
                   gpu: GpuSummary | None) -> ProfilePoint:
         s = summarize(load)
+        self.client_cores = s.client_cores
         if s.failed_requests == s.num_requests:
             errors = sorted({r.error for r in load.results if r.error})
             raise RunError(f"B={batch}: all {s.num_requests} requests failed, e.g. {errors[:3]}")

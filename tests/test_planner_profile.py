@@ -60,13 +60,16 @@ async def test_point_holds_b_requests_in_flight_and_times_them(aiohttp_server: A
 
 
 async def test_a_point_past_100_requests_holds_them_all_at_the_replica(aiohttp_server: Any, tmp_path: Path) -> None:
-    """B=160: all 160 reach the fake at once, and every /metrics scrape is answered meanwhile. aiohttp's default
-    session holds 100 connections: the profiles of 2026-11-26..29 kept 100 requests at the replica at "B = 256"
-    and timed the other 156's wait for a connection as their TTFT (planner.client.load_session)."""
+    """B=160: all 160 reach the fake at once, every /metrics scrape is answered meanwhile, and the client's own
+    CPU is read. aiohttp's default session holds 100 connections: the profiles of 2026-11-26..29 kept 100 requests
+    at the replica at "B = 256" and timed the other 156's wait for a connection as their TTFT
+    (planner.client.load_session)."""
     server = await aiohttp_server(make_app(FakeBehavior(ttft_s=0.6, itl_s=0.005)))
     url = str(server.make_url("")).rstrip("/")
-    point = await profiler(tmp_path, url, num_requests=320, warmup_requests=0).measure(url, 160)
+    sweep = profiler(tmp_path, url, num_requests=320, warmup_requests=0)
+    point = await sweep.measure(url, 160)
     assert server.app[STATS].max_running == 160
+    assert sweep.client_cores is not None and sweep.client_cores > 0  # what streaming them cost this process
     assert (point.num_requests, point.failed_requests, point.metrics_missed) == (320, 0, 0)
     assert point.mean_running is not None and point.mean_running > 100
 
