@@ -75,6 +75,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-direct", action="store_true",
                    help="skip driving 1..N replicas with one client process per replica, straight and through "
                         "the gateway")
+    p.add_argument("--client-processes", type=int, help="processes that send each closed loop of the frontier and "
+                   "of each replica's client (default 2; --quick: 1)")
     p.add_argument("--gateway-workers", type=int,
                    help="gateway worker processes for every gateway (default: the plan's; 1 for the single instance)")
     p.add_argument("--port", type=int, help="the gateway's port; replicas on the next ones (default 18000)")
@@ -100,6 +102,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
                           point_s=args.point_s, min_point_s=args.min_point_s, waves=args.waves, port=args.port,
                           mps=False if args.no_mps else None,
                           direct=False if args.no_direct else None, gateway_workers=args.gateway_workers,
+                          client_processes=args.client_processes,
                           vllm_args=tuple(shlex.split(args.vllm_args)) if args.vllm_args else None)
 
 

@@ -204,6 +204,8 @@ def _profile_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[ty
                    "the point's batch size, sent together)")
     p.add_argument("--prompt-seed", type=int, default=0, help="another seed, other prompts: for a replica profiled "
                    "again, whose prefix cache holds the first profile's prompts (0)")
+    p.add_argument("--client-processes", type=int, default=1, help="send each point's load from this many client "
+                   "processes (1: from this one; each point's log line says how many cores its client used)")
     p.add_argument("--dry-run", action="store_true", help="print the runs without running them")
     p.set_defaults(run=_run_profile)
 
@@ -222,7 +224,7 @@ def _run_profile(args: argparse.Namespace) -> int:
                           num_requests=args.num_requests, warmup_requests=args.warmup,
                           model_name=args.served_model_name, metrics_interval_s=args.metrics_interval,
                           timeouts=Timeouts(request_s=args.request_timeout), dry_run=args.dry_run,
-                          prompt_seed=args.prompt_seed)
+                          prompt_seed=args.prompt_seed, client_processes=args.client_processes)
     command = ProfileCommand(sweep=sweep, workload=_workload_options(args), model=args.model, url=args.url,
                              vllm_args=tuple(shlex.split(args.vllm_args)), port=args.port,
                              cpu_kvcache_space_gib=args.cpu_kvcache_space_gib,

@@ -13,10 +13,11 @@ import pytest
 from bench.gpu.report import sim_gpu, sim_prediction, stepfit_section, write
 from bench.gpu.settings import Settings, budget, gpu_preset, quick_preset
 from bench.gpu.simfit import calibration_section, vllm_facts
-from bench.gpu.steps import Context, decide, routing_name
+from bench.gpu.steps import Context, client_argv, decide, routing_name
 from bench.gpu.store import Store
 from bench.gpu_replication import main
 from deploy.hardware import Hardware
+from deploy.models import ResolvedModel
 from deploy.plan import Admission, Plan, ReplicaSpec, dump
 from planner.points import GpuSummary, Latency, ProfileContext, ProfilePoint, Workload
 from planner.sources import load_profile, write_point
@@ -34,6 +35,17 @@ def test_requests_are_sized_by_waves_and_by_the_time_a_point_may_take() -> None:
     assert s.requests_for(256, 15.0) == 375
     assert s.requests_for(16, 40.0) == 400  # six waves are 96, gone in 2.4 s: 10 s at 40 req/s instead
     assert s.requests_for(64, 1000.0) == 10_000
+
+
+def test_each_closed_loop_goes_out_from_two_client_processes_on_a_gpu(tmp_path: Path) -> None:
+    """The GPU preset sends every closed loop (the frontier's, each replica's client) from two processes, --quick
+    from one; the replicas' clients are `planner profile --url ... --client-processes N`; 0 is refused."""
+    s = gpu_preset("synthetic:opt-1.3b", tmp_path)
+    assert s.client_processes == 2 and quick_preset(tmp_path).client_processes == 1
+    argv = client_argv(s, ResolvedModel("m", "/models/m", "m"), 256, 1536)
+    assert argv[argv.index("--client-processes") + 1] == "2" and argv[argv.index("--batch-sizes") + 1] == "256"
+    with pytest.raises(ValueError, match="--client-processes must be >= 1, got 0"):
+        Settings(**{**asdict(s), "client_processes": 0})
 
 
 def test_the_gpu_budget_fits_the_window_and_dry_run_says_so(capsys: pytest.CaptureFixture[str],

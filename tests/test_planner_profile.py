@@ -74,6 +74,19 @@ async def test_a_point_past_100_requests_holds_them_all_at_the_replica(aiohttp_s
     assert point.mean_running is not None and point.mean_running > 100
 
 
+async def test_a_point_can_be_sent_from_several_client_processes(aiohttp_server: Any, tmp_path: Path) -> None:
+    """--client-processes 2 at B=8: two child processes of 4 in flight each, 8 at the fake at once, every request
+    once; this process keeps scraping /metrics meanwhile, and the children's CPU is the client's."""
+    server = await aiohttp_server(make_app(FakeBehavior(ttft_s=0.2, itl_s=0.005)))
+    url = str(server.make_url("")).rstrip("/")
+    sweep = profiler(tmp_path, url, num_requests=24, warmup_requests=0, client_processes=2)
+    point = await sweep.measure(url, 8)
+    assert server.app[STATS].max_running == 8 and server.app[STATS].finished == 24
+    assert (point.num_requests, point.failed_requests, point.metrics_missed) == (24, 0, 0)
+    assert point.mean_running is not None and point.mean_running > 0
+    assert sweep.client_cores is not None and sweep.client_cores > 0
+
+
 async def test_by_default_each_point_warms_up_with_one_round_of_new_prompts(aiohttp_server: Any,
                                                                            tmp_path: Path) -> None:
     """Without --warmup, the point at B first sends B requests together (a replica's first round at a new batch size
@@ -217,11 +230,13 @@ def test_cli_dry_run_prints_the_runs_and_writes_nothing(tmp_path: Path, capsys: 
 
 
 def test_cli_bad_url_and_bad_batch_sizes_are_user_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """A non-URL and a duplicate batch size are named, exit 2."""
+    """A non-URL, a duplicate batch size and no client process are named, exit 2."""
     assert run_cli("--url", "localhost:8000", "--out", str(tmp_path)) == 2
     assert "--url 'localhost:8000' is not an http(s) URL" in capsys.readouterr().err
     assert run_cli("--url", "http://x", "--out", str(tmp_path), "--batch-sizes", "2,2", "--dry-run") == 2
     assert "batch sizes are listed twice" in capsys.readouterr().err
+    assert run_cli("--url", "http://x", "--out", str(tmp_path), "--client-processes", "0", "--dry-run") == 2
+    assert "--client-processes must be >= 1, got 0" in capsys.readouterr().err
 
 
 class DyingServers:

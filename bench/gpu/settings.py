@@ -40,6 +40,7 @@ class Settings:
     policies: tuple[str, ...] = ("least_outstanding_tokens", "round_robin")
     gateway_workers: int | None = None  # None: the plan's count (1 for the single instance)
     direct: bool = True  # also drive 1..N replicas with one client process each, straight and through the gateway
+    client_processes: int = 1  # processes that send each closed loop of the frontier and of each replica's client
     mps: bool = True
     min_gain: float = 0.05
     startup_timeout_s: float = 600.0
@@ -70,6 +71,8 @@ class Settings:
         for name in ("input_tokens", "output_tokens", "min_requests", "prefill_reps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.client_processes < 1:
+            raise ValueError(f"--client-processes must be >= 1, got {self.client_processes}")
         if self.gateway_workers is not None and self.gateway_workers < 1:
             raise ValueError(f"--gateway-workers must be >= 1, got {self.gateway_workers}")
         if not 0 < self.port <= 65535 - 100:
@@ -94,7 +97,9 @@ class Settings:
 
 
 def gpu_preset(model: str, out: Path) -> Settings:
-    return Settings(model=model, out=out)
+    """Two client processes a closed loop: on run 4 (H200, Qwen3-1.7B, a token a chunk) one process at 100
+    streams used 1.03 cores."""
+    return Settings(model=model, out=out, client_processes=2)
 
 
 def quick_preset(out: Path, model: str = "tiny") -> Settings:

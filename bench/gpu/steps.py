@@ -150,7 +150,8 @@ def frontier(ctx: Context) -> None:
             if not path.exists():
                 config = ProfileConfig(out=ctx.profile_dir, batch_sizes=(b,), num_requests=s.requests_for(b, req_s),
                                        warmup_requests=s.warmup_requests, model_name=served_name(model),
-                                       metrics_interval_s=0.5, timeouts=ctx.timeouts())
+                                       metrics_interval_s=0.5, timeouts=ctx.timeouts(),
+                                       client_processes=s.client_processes)
                 Profiler(config, RunningServer(url), workload, context, ctx.sampler, out=ctx.log).run()
             req_s = read_point(path)[1].req_s
         if need_cost:
@@ -337,7 +338,7 @@ def client_argv(settings: Settings, model: ResolvedModel, b_star: int, n_request
             str(n_requests), "--input-tokens", str(settings.input_tokens), "--output-tokens",
             str(settings.output_tokens), "--served-model-name", served_name(model), "--warmup",
             str(settings.warmup_requests), "--request-timeout", str(settings.request_timeout_s),
-            "--metrics-interval", "0.5"]
+            "--metrics-interval", "0.5", "--client-processes", str(settings.client_processes)]
     tokenizer = tokenizer_of(model)
     return [*argv, "--tokenizer", tokenizer] if tokenizer else argv
 
