@@ -161,8 +161,8 @@ class Profiler:
                  f"{point.tpot_ms.p99} ms, p99 TTFT {point.ttft_ms.p99} ms, peak KV "
                  f"{_pct(point.peak_kv_usage)}, preemptions {point.preemptions}, running "
                  f"{'n/a' if point.mean_running is None else f'{point.mean_running:.1f}'} on average "
-                 f"({point.metrics_missed} /metrics scrapes unanswered), client process "
-                 f"{'n/a' if self.client_cores is None else f'{self.client_cores:.2f}'} cores -> {path}")
+                 f"({point.metrics_missed} /metrics scrapes unanswered), {self.config.client_processes} client "
+                 f"process(es) {'n/a' if self.client_cores is None else f'{self.client_cores:.2f}'} cores -> {path}")
 
     async def measure(self, url: str, batch: int) -> ProfilePoint:
         """One point against a replica at `url`: warm up, run, scrape, sample."""
