@@ -194,7 +194,9 @@ class ClosedLoop:
     @property
     def batch(self) -> float:
         """The sequences decoding at once, by Little's law: requests/s x mean time from first token to last, at
-        most B. Past its API server's limit vLLM decodes far fewer than B (the H200 runs: about 75 at B = 256)."""
+        most B. The H200 runs decoded about 75 at "B = 256": their client held 100 requests at the replica, the
+        rest waiting for a connection before their first token (docs/bench/gpu/README.md, the correction), which
+        this count, taken after the first token, leaves out."""
         return min(self.clients, self.req_s * (self.e2e_mean_s - self.ttft_mean_s))
 
     @property
