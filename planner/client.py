@@ -28,9 +28,10 @@ def load_session() -> aiohttp.ClientSession:
 
     aiohttp's default connector holds at most 100 connections (`TCPConnector(limit=100)`). Every request beyond
     them waits in the pool, on the client, with its clock running, and whatever else shares the session (the
-    `/metrics` scrapes) waits behind the streams. Measured with this client at B = 256 against a replica streaming
-    a 0.3 s answer: 100 requests at the server, mean TTFT 705 ms against a 206 ms median; without the cap, 256
-    and 232 ms (tests/test_planner_client.py holds it)."""
+    `/metrics` scrapes) waits behind the streams. Measured once here (2026-11-30) with this client at B = 256
+    against a fake replica streaming a 0.3 s answer: 100 requests at the server, mean TTFT 705 ms against a 206 ms
+    median; without the cap, 256 and 232 ms. tests/test_planner_profile.py and test_planner_multiclient.py hold
+    more than 100 in flight."""
     return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
 
 

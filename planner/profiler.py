@@ -109,7 +109,8 @@ class Profiler:
                  out: Callable[[str], None] = print) -> None:
         self.config, self.servers, self.workload = config, servers, workload
         self.context, self.gpu, self.out = context, gpu, out
-        self.client_cores: float | None = None  # the last point's: this process's CPU over its wall time
+        self.client_cores: float | None = None  # the last point's: its client's CPU (this process's, or its
+        # client processes') over the point's wall time
 
     def run(self) -> list[Path]:
         """Measure every point not yet on disk; return the point files (all of them, old and new)."""
