@@ -24,6 +24,7 @@ import numpy as np
 
 from .common import markdown_table
 from .sim_vs_real_ranking import point_of
+from .sim_vs_real_steps import twin_key
 
 HISTOGRAMS = {"engine_ttft_s": "vllm:time_to_first_token_seconds", "queue_s": "vllm:request_queue_time_seconds",
               "prefill_s": "vllm:request_prefill_time_seconds"}
@@ -73,3 +74,27 @@ def ttft_lines(rows: Sequence[dict[str, Any]], sides: Sequence[str]) -> list[str
             "between steps. Queue: waiting for the token budget, a batch slot or blocks.", "",
             markdown_table(["point", "side", "runs", "TTFT", "outside the replica", "before the queue", "queue",
                             "prefill"], body), ""]
+
+
+def twin_lines(rows: Sequence[dict[str, Any]], sides: Sequence[str]) -> list[str]:
+    """The report's section: each simulated single-turn run beside its real twin (same workload, arrivals, load,
+    seed and policy), part by part: the median over the pairs of simulated less real mean TTFT and of each part,
+    and of the prefill's ratio. Where a side's TTFT is short, this says in which part."""
+    real = {twin_key(r): figures for r in rows
+            if r["side"] == "real" and r["workload"] != "chat" and (figures := split(r))}
+    body = []
+    for side in sides:
+        gaps = [(np.subtract(figures, real[twin_key(r)]), figures[4] / real[twin_key(r)][4]) for r in rows
+                if r["side"] == side and twin_key(r) in real and (figures := split(r)) and real[twin_key(r)][4] > 0]
+        if gaps:
+            diffs = np.median([d for d, _ in gaps], axis=0)
+            body.append([side, len(gaps), *(f"{d:+.1f}" for d in diffs),
+                         f"{float(np.median([ratio for _, ratio in gaps])):.2f}"])
+    if not body:
+        return []
+    return ["## Each simulated run beside its real twin, part by part", "",
+            "Medians over the pairs of runs (the same workload, arrivals, load, seed and policy) of the simulated "
+            "run's mean TTFT and parts less the real one's, in ms (the parts as above), and of its mean prefill over "
+            "the real one's.", "",
+            markdown_table(["side", "pairs", "TTFT", "outside the replica", "before the queue", "queue", "prefill",
+                            "prefill sim / real"], body), ""]

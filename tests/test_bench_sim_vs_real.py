@@ -422,6 +422,23 @@ def test_ttft_splits_into_the_gateway_the_api_server_the_queue_and_prefill() -> 
     assert "| mix/poisson/0.95 | sim-paired | 1 | 35.0 | 5.0 | 5.0 | 10.0 | 15.0 |" in text
 
 
+def test_each_simulated_run_is_set_beside_its_real_twin_part_by_part() -> None:
+    """The twin of a run shares its workload, arrivals, load, seed and policy: the medians of the differences name
+    the parts where a side is short (here 5 ms: 2 outside the replica, 3 in the prefill), and the prefill's ratio;
+    a run without a twin or without the timings is left out, and no pair at all gives no section."""
+    from bench.sim_vs_real_ttft import twin_lines
+
+    parts = {"engine_ttft_s": 0.03, "queue_s": 0.01, "prefill_s": 0.015}
+    real = {"side": "real", "workload": "mix", "arrival": "poisson", "load": 0.95, "seed": 0, "policy": "round_robin",
+            "ttft_s": [0.03, 0.05], "engine": {"ttft_parts": parts}}
+    twin = {**real, "side": "sim-paired", "ttft_s": [0.035],
+            "engine": {"ttft_parts": {**parts, "prefill_s": 0.012, "engine_ttft_s": 0.027}}}
+    lonely = {**twin, "seed": 1}
+    text = "\n".join(twin_lines([real, twin, lonely, {**twin, "policy": "x", "engine": {}}], ["sim-paired"]))
+    assert "| sim-paired | 1 | -5.0 | -2.0 | +0.0 | +0.0 | -3.0 | 0.80 |" in text
+    assert twin_lines([real], ["sim-paired"]) == []
+
+
 def test_the_cpu_twin_burns_what_the_real_replicas_used() -> None:
     """`--cpu-twin` copies the real replicas' median cores (NaN readings left out); a run without them is an
     error; the burners split the cores into whole processes, and a burner spins for its share of the time."""
