@@ -78,6 +78,7 @@ class ProfilePoint:
     duration_s: float | None = None
     steady_tok_s: float | None = None  # tokens/s with all B in flight, the fill left out (planner.stats)
     steady_s: float | None = None
+    client_cores: float | None = None  # the client's CPU over the run's wall time (one process can be the limit)
 
     def __post_init__(self) -> None:
         if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int) or self.batch_size < 1:

@@ -109,8 +109,6 @@ class Profiler:
                  out: Callable[[str], None] = print) -> None:
         self.config, self.servers, self.workload = config, servers, workload
         self.context, self.gpu, self.out = context, gpu, out
-        self.client_cores: float | None = None  # the last point's: its client's CPU (this process's, or its
-        # client processes') over the point's wall time
 
     def run(self) -> list[Path]:
         """Measure every point not yet on disk; return the point files (all of them, old and new)."""
@@ -163,7 +161,7 @@ class Profiler:
                  f"{_pct(point.peak_kv_usage)}, preemptions {point.preemptions}, running "
                  f"{'n/a' if point.mean_running is None else f'{point.mean_running:.1f}'} on average "
                  f"({point.metrics_missed} /metrics scrapes unanswered), {self.config.client_processes} client "
-                 f"process(es) {'n/a' if self.client_cores is None else f'{self.client_cores:.2f}'} cores -> {path}")
+                 f"process(es) {'n/a' if point.client_cores is None else f'{point.client_cores:.2f}'} cores -> {path}")
 
     async def measure(self, url: str, batch: int) -> ProfilePoint:
         """One point against a replica at `url`: warm up, run, scrape, sample."""
@@ -211,7 +209,6 @@ class Profiler:
     def _to_point(self, batch: int, load: LoadResult, watcher: MetricsWatcher,
                   gpu: GpuSummary | None) -> ProfilePoint:
         s = summarize(load)
-        self.client_cores = s.client_cores
         if s.failed_requests == s.num_requests:
             errors = sorted({r.error for r in load.results if r.error})
             raise RunError(f"B={batch}: all {s.num_requests} requests failed, e.g. {errors[:3]}")
@@ -223,7 +220,7 @@ class Profiler:
                             mean_running=watcher.mean_running, metrics_missed=watcher.missed,
                             kv_pool=watcher.kv_pool, gpu=gpu, num_requests=s.num_requests,
                             failed_requests=s.failed_requests, duration_s=s.duration_s,
-                            steady_tok_s=s.steady_tok_s, steady_s=s.steady_s)
+                            steady_tok_s=s.steady_tok_s, steady_s=s.steady_s, client_cores=s.client_cores)
 
 
 def _pct(value: float | None) -> str:

@@ -66,10 +66,9 @@ async def test_a_point_past_100_requests_holds_them_all_at_the_replica(aiohttp_s
     (planner.client.load_session)."""
     server = await aiohttp_server(make_app(FakeBehavior(ttft_s=0.6, itl_s=0.005)))
     url = str(server.make_url("")).rstrip("/")
-    sweep = profiler(tmp_path, url, num_requests=320, warmup_requests=0)
-    point = await sweep.measure(url, 160)
+    point = await profiler(tmp_path, url, num_requests=320, warmup_requests=0).measure(url, 160)
     assert server.app[STATS].max_running == 160
-    assert sweep.client_cores is not None and sweep.client_cores > 0  # what streaming them cost this process
+    assert point.client_cores is not None and point.client_cores > 0  # what streaming them cost this process
     assert (point.num_requests, point.failed_requests, point.metrics_missed) == (320, 0, 0)
     assert point.mean_running is not None and point.mean_running > 100
 
@@ -79,12 +78,11 @@ async def test_a_point_can_be_sent_from_several_client_processes(aiohttp_server:
     once; this process keeps scraping /metrics meanwhile, and the children's CPU is the client's."""
     server = await aiohttp_server(make_app(FakeBehavior(ttft_s=0.2, itl_s=0.005)))
     url = str(server.make_url("")).rstrip("/")
-    sweep = profiler(tmp_path, url, num_requests=24, warmup_requests=0, client_processes=2)
-    point = await sweep.measure(url, 8)
+    point = await profiler(tmp_path, url, num_requests=24, warmup_requests=0, client_processes=2).measure(url, 8)
     assert server.app[STATS].max_running == 8 and server.app[STATS].finished == 24
     assert (point.num_requests, point.failed_requests, point.metrics_missed) == (24, 0, 0)
     assert point.mean_running is not None and point.mean_running > 0
-    assert sweep.client_cores is not None and sweep.client_cores > 0
+    assert point.client_cores is not None and point.client_cores > 0  # the children's CPU
 
 
 async def test_by_default_each_point_warms_up_with_one_round_of_new_prompts(aiohttp_server: Any,
