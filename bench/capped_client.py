@@ -100,9 +100,9 @@ def report(pool: Sequence[dict[str, Any]], fits: Sequence[dict[str, Any]]) -> st
                               f"{r['ttft_p50_ms']:.0f}", f"{r['pool_wait_ms']:.0f}", f"{r['ttft_over_wait']:.2f}",
                               r["metrics_missed"]] for r in pool]), ""]
     body = [[r["run"], "B > 100 as 100" if r["relabelled"] else "as stored", r["batch_size"],
-             f"{r['ttft_p50_ms']:.1f}", f"{r['sim_ttft_p50_ms']:.1f}", f"{r['sim_ttft_p50_ms'] / r['ttft_p50_ms'] - 1:+.0%}",
-             f"{r['tpot_mean_ms']:.2f}", f"{r['sim_tpot_mean_ms']:.2f}",
-             f"{r['sim_tpot_mean_ms'] / r['tpot_mean_ms'] - 1:+.0%}"] for r in fits]
+             f"{r['ttft_p50_ms']:.1f}", f"{r['sim_ttft_p50_ms']:.1f}",
+             f"{r['sim_ttft_p50_ms'] / r['ttft_p50_ms'] - 1:+.0%}", f"{r['tpot_mean_ms']:.2f}",
+             f"{r['sim_tpot_mean_ms']:.2f}", f"{r['sim_tpot_mean_ms'] / r['tpot_mean_ms'] - 1:+.0%}"] for r in fits]
     lines += ["Each frontier calibrated (`sim calibrate`, front-end latency) and its error at the points fitted:", "",
               markdown_table(["run", "frontier", "B", "TTFT p50 real", "sim", "error", "TPOT mean real", "sim",
                               "error"], body), ""]
@@ -117,7 +117,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     if not args.gpu.is_dir():
         parser.error(f"--gpu {args.gpu}: no such folder")
     pool = pool_rows(args.gpu)
-    fits = calibration_rows(args.gpu, {run: v for run, v in FRONTIERS.items() if (args.gpu / run / "frontier").is_dir()})
+    runs = {run: v for run, v in FRONTIERS.items() if (args.gpu / run / "frontier").is_dir()}
+    fits = calibration_rows(args.gpu, runs)
     print(report(pool, fits))
     if args.out:
         args.out.write_text(json.dumps({"pool": pool, "fits": fits}, indent=1) + "\n")

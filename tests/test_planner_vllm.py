@@ -1,9 +1,12 @@
 """The planner's three steps with REAL vLLM (CPU, the tiny model): profile -> plan -> `deploy up --plan` serving.
 
-One short profile for the module (two batch caps, each a vLLM launched with `--max-num-seqs B`, 16 requests of
-32 tokens in and 16 out), then the plan, then the plan deployed as is, answering the official openai client
-through the gateway. `--enforce-eager` (as deploy runs the tiny model): it skips torch.compile, about 12 s of
-each of the module's four vLLM starts, and reaches the planned replicas through the profile's vLLM args.
+One short profile for the module (one batch cap, a vLLM launched with `--max-num-seqs 8`, 16 requests of 32
+tokens in and 16 out), then the plan, then the plan deployed as is, answering the official openai client through
+the gateway. One cap, not two, for CI's time (a vLLM start is 45-50 s here): a launch per cap is the same
+`deploy.process.VllmServer` that deploy's tests stop and start again on real vLLM (tests/test_deploy_vllm.py),
+and its spec per cap is tests/test_planner_profile.py's. `--enforce-eager` (as deploy runs the tiny model): it
+skips torch.compile, about 12 s of each of the module's vLLM starts, and reaches the planned replicas through the
+profile's vLLM args.
 """
 
 from __future__ import annotations
@@ -30,9 +33,9 @@ STARTUP_S = "300"
 
 @pytest.fixture(scope="module")
 def profile_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """`planner profile --model <tiny> --batch-sizes 2,8` against real vLLM CPU servers it launches."""
+    """`planner profile --model <tiny> --batch-sizes 8` against a real vLLM CPU server it launches."""
     out = tmp_path_factory.mktemp("planner-vllm") / "profile"
-    code = main(["profile", "--model", str(ensure_tiny_model()), "--out", str(out), "--batch-sizes", "2,8",
+    code = main(["profile", "--model", str(ensure_tiny_model()), "--out", str(out), "--batch-sizes", "8",
                  "--num-requests", "16", "--input-tokens", "32", "--output-tokens", "16", "--warmup", "1",
                  "--cpu-kvcache-space-gib", "1", "--vllm-args", "--max-model-len 256 --enforce-eager",
                  "--metrics-interval", "0.1", "--startup-timeout", STARTUP_S])
@@ -46,8 +49,8 @@ def profile(profile_dir: Path) -> Profile:
 
 
 def test_profile_points_are_real_measurements(profile: Profile, profile_dir: Path) -> None:
-    """Each B was its own vLLM (--max-num-seqs B); tokens, latencies and /metrics facts were all read back."""
-    assert [p.batch_size for p in profile.points] == [2, 8]
+    """The point's vLLM was launched with --max-num-seqs B; tokens, latencies and /metrics facts were read back."""
+    assert [p.batch_size for p in profile.points] == [8]
     for point in profile.points:
         launch = (profile_dir / "logs" / f"vllm-b{point.batch_size:05d}.log").read_text()
         assert f"--max-num-seqs {point.batch_size} " in launch
@@ -75,7 +78,7 @@ def test_plan_is_a_cpu_plan_from_the_measurements(plan_file: Path, profile: Prof
     """Two CPU replicas capped at B*, 1 GiB of KV each (the measured need rounds up), the profile's vLLM args."""
     plan = load(plan_file)
     b_star = plan.reasoning["batch"]["b_star"]
-    assert b_star in (2, 8) and len(plan.replicas) == 2
+    assert b_star == 8 and len(plan.replicas) == 2
     for replica in plan.replicas:
         assert replica.max_num_seqs == b_star and replica.admission.max_requests == b_star
         assert replica.cpu_kvcache_space_gib == 1.0 and replica.gpu_memory_utilization is None
