@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from planner.sources import point_path
 from sim.fromprofile import EngineFacts, calibrate
 
 from .common import markdown_table
@@ -52,20 +53,24 @@ def pool_rows(gpu: Path) -> list[dict[str, Any]]:
     return rows
 
 
+def batch_sizes(profile: Path) -> list[int]:
+    """The batch sizes of a profile directory's point files, ascending."""
+    return sorted(int(p.stem.removeprefix("point-b")) for p in profile.glob("point-b*.json"))
+
+
 def relabelled(src: Path, dst: Path) -> list[int]:
     """A copy of the profile `src` at `dst` whose points of B > POOL are one point at B = POOL (the smallest of
     them); the batch sizes of the copy."""
     shutil.copytree(src, dst)
-    over = sorted(int(p.stem.removeprefix("point-b")) for p in dst.glob("point-b*.json")
-                  if int(p.stem.removeprefix("point-b")) > POOL)
+    over = [b for b in batch_sizes(dst) if b > POOL]
     for batch in over:
-        path = dst / f"point-b{batch:05d}.json"
+        path = point_path(dst, batch)
         data = json.loads(path.read_text())
         path.unlink()
         if batch == over[0]:
             data["point"]["batch_size"] = POOL
-            (dst / f"point-b{POOL:05d}.json").write_text(json.dumps(data))
-    return sorted(int(p.stem.removeprefix("point-b")) for p in dst.glob("point-b*.json"))
+            point_path(dst, POOL).write_text(json.dumps(data))
+    return batch_sizes(dst)
 
 
 def calibration_rows(gpu: Path, runs: dict[str, tuple[str, int]]) -> list[dict[str, Any]]:
@@ -74,8 +79,7 @@ def calibration_rows(gpu: Path, runs: dict[str, tuple[str, int]]) -> list[dict[s
     with tempfile.TemporaryDirectory() as tmp:
         for run, (name, length) in runs.items():
             src = gpu / run / "frontier"
-            sizes = [int(p.stem.removeprefix("point-b")) for p in src.glob("point-b*.json")]
-            facts = EngineFacts(max_num_seqs=max(sizes), max_num_batched_tokens=8192, chunked_prefill=True,
+            facts = EngineFacts(max_num_seqs=max(batch_sizes(src)), max_num_batched_tokens=8192, chunked_prefill=True,
                                 prefix_caching=True, max_model_len=length, model_name=name)
             cost = gpu / run / "points" / "frontier" / "prefill_cost.json"
             for relabel in (False, True):
