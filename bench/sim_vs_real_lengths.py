@@ -17,7 +17,7 @@ import numpy as np
 
 from .common import markdown_table
 from .sim_vs_real_ranking import point_of
-from .sim_vs_real_steps import twin_key
+from .sim_vs_real_steps import real_twins, twin_key
 
 MAX_LENGTHS = 4  # distinct prompt lengths a workload may have to be grouped length by length
 
@@ -35,7 +35,7 @@ def groups(lengths: Sequence[int]) -> tuple[list[str], Any]:
 def length_lines(rows: Sequence[dict[str, Any]], sides: Sequence[str]) -> list[str]:
     """The report's section: per point, prompt length and simulated side, the real and simulated TTFT p50 and p90
     (ms) and their errors."""
-    real = {twin_key(r): r for r in rows if r["side"] == "real" and r["workload"] != "chat" and r.get("firsts")}
+    real = {key: r for key, r in real_twins(rows).items() if r.get("firsts")}
     body = []
     for side in sides:
         pairs: dict[str, list[tuple[dict[str, Any], dict[str, Any]]]] = {}

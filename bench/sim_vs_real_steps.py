@@ -111,6 +111,14 @@ def twin_key(row: dict[str, Any]) -> tuple[Any, ...]:
     return row["workload"], row["arrival"], row["load"], row["seed"], row["policy"]
 
 
+def real_twins(rows: Sequence[dict[str, Any]]) -> dict[tuple[Any, ...], dict[str, Any]]:
+    """The real single-turn runs by `twin_key`, each the twin of the simulated runs with its key: the first run of
+    its schedule, not a repeat of it (`--repeats` runs the real side's first run again; the simulated sides do
+    not)."""
+    return {twin_key(r): r for r in rows
+            if r["side"] == "real" and r["workload"] != "chat" and r.get("repeat", 0) == 0}
+
+
 def steps_lines(rows: Sequence[dict[str, Any]], replicas: int, sim_side: str,
                 model_path: str | None = None, scaled: bool = False) -> list[str]:
     """The report's section: per point, each side's median engine batch, step and prompt tokens a step; the

@@ -24,7 +24,7 @@ import numpy as np
 
 from .common import markdown_table
 from .sim_vs_real_ranking import point_of
-from .sim_vs_real_steps import twin_key
+from .sim_vs_real_steps import real_twins, twin_key
 
 HISTOGRAMS = {"engine_ttft_s": "vllm:time_to_first_token_seconds", "queue_s": "vllm:request_queue_time_seconds",
               "prefill_s": "vllm:request_prefill_time_seconds"}
@@ -80,12 +80,15 @@ def twin_lines(rows: Sequence[dict[str, Any]], sides: Sequence[str]) -> list[str
     """The report's section: each simulated single-turn run beside its real twin (same workload, arrivals, load,
     seed and policy), part by part: the median over the pairs of simulated less real mean TTFT and of each part,
     and of the prefill's ratio. Where a side's TTFT is short, this says in which part."""
-    real = {twin_key(r): figures for r in rows
-            if r["side"] == "real" and r["workload"] != "chat" and (figures := split(r))}
+    real = {key: figures for key, r in real_twins(rows).items() if (figures := split(r))}
     body = []
     for side in sides:
-        gaps = [(np.subtract(figures, real[twin_key(r)]), figures[4] / real[twin_key(r)][4]) for r in rows
-                if r["side"] == side and twin_key(r) in real and (figures := split(r)) and real[twin_key(r)][4] > 0]
+        gaps = []
+        for r in rows:
+            twin = real.get(twin_key(r)) if r["side"] == side else None
+            figures = split(r) if twin is not None and twin[4] > 0 else None
+            if twin is not None and figures is not None:
+                gaps.append((np.subtract(figures, twin), figures[4] / twin[4]))
         if gaps:
             diffs = np.median([d for d, _ in gaps], axis=0)
             body.append([side, len(gaps), *(f"{d:+.1f}" for d in diffs),

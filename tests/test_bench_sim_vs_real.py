@@ -425,7 +425,8 @@ def test_ttft_splits_into_the_gateway_the_api_server_the_queue_and_prefill() -> 
 def test_each_simulated_run_is_set_beside_its_real_twin_part_by_part() -> None:
     """The twin of a run shares its workload, arrivals, load, seed and policy: the medians of the differences name
     the parts where a side is short (here 5 ms: 2 outside the replica, 3 in the prefill), and the prefill's ratio;
-    a run without a twin or without the timings is left out, and no pair at all gives no section."""
+    a run without a twin or without the timings is left out, a repeat of the real run is not its twin, and no pair
+    at all gives no section."""
     from bench.sim_vs_real_ttft import twin_lines
 
     parts = {"engine_ttft_s": 0.03, "queue_s": 0.01, "prefill_s": 0.015}
@@ -434,7 +435,8 @@ def test_each_simulated_run_is_set_beside_its_real_twin_part_by_part() -> None:
     twin = {**real, "side": "sim-paired", "ttft_s": [0.035],
             "engine": {"ttft_parts": {**parts, "prefill_s": 0.012, "engine_ttft_s": 0.027}}}
     lonely = {**twin, "seed": 1}
-    text = "\n".join(twin_lines([real, twin, lonely, {**twin, "policy": "x", "engine": {}}], ["sim-paired"]))
+    again = {**real, "repeat": 1, "ttft_s": [0.5]}  # the real run repeated later: not the twin
+    text = "\n".join(twin_lines([real, twin, lonely, {**twin, "policy": "x", "engine": {}}, again], ["sim-paired"]))
     assert "| sim-paired | 1 | -5.0 | -2.0 | +0.0 | +0.0 | -3.0 | 0.80 |" in text
     assert twin_lines([real], ["sim-paired"]) == []
 
