@@ -1,4 +1,5 @@
-"""One closed-loop load from several client processes (planner/multiclient.py), against a FAKE replica process."""
+"""One closed-loop load from several client processes (planner/multiclient.py), against a FAKE replica (a process,
+or in this one)."""
 
 from __future__ import annotations
 
@@ -11,13 +12,12 @@ from typing import Any
 
 import pytest
 
-from tests.fake_replica import STATS, FakeBehavior, make_app
-
 from deploy.process import ManagedProcess
 from planner.client import RequestResult, Timeouts
 from planner.multiclient import Share, _drive, on_wall_clock, run_load_processes, split
 from deploy.ports import free_ports
 from planner.workload import RequestSpec
+from tests.fake_replica import STATS, FakeBehavior, make_app
 
 
 def specs(n: int) -> list[RequestSpec]:
@@ -60,7 +60,6 @@ def test_processes_share_one_load_at_the_concurrency_asked(tmp_path: Path) -> No
     assert before <= min(r.start for r in load.results) and max(r.end for r in load.results) <= after
     # 6 waves of 5 tokens at 20 ms: the two processes ran side by side, not one after the other
     assert load.duration_s < 0.75 * sum(r.e2e_s for r in load.results) / 2
-
 
 
 async def test_a_client_process_keeps_more_than_100_requests_in_flight(aiohttp_server: Any) -> None:
