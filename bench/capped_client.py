@@ -10,7 +10,11 @@ at the replica; the other B - 100 waited for a connection on the client, timed a
   average; beside it the mean TTFT measured, and the `/metrics` scrapes left unanswered;
 - each frontier calibrated (`sim calibrate`, with the GPU's front-end latency) as stored, and with its points of
   B > 100 labelled as the 100 requests the replica had (the smallest such point kept, the others dropped: they too
-  held 100).
+  held 100);
+- the replica counts of runs 3 and 4 as they held: one client process through the gateway kept 100 streams in
+  all (one replica at 100, or two at 50 each: the same total), one client per replica 100 each (twice the
+  streams with two). Beside them the simulator's counts, its steps priced by the H200's step-time constants
+  fitted without the run's model (`sim stepfit`), and the one count no run has measured: one instance at 200.
 
     python -m bench.capped_client [--gpu docs/bench/gpu] [--out docs/bench/gpu/capped_client_2026-11-30.json]
 """
@@ -96,6 +100,76 @@ def calibration_rows(gpu: Path, runs: dict[str, tuple[str, int]]) -> list[dict[s
     return rows
 
 
+COUNTS = {"run3-2026-11-27/opt-1.3b": "opt-1.3b", "qwen3-1.7b-2026-11-29": "qwen3-1.7b"}  # steady counts, 3 ways
+SIM_COUNTS = ((1, POOL), (2, POOL // 2), (2, POOL), (1, 2 * POOL))  # (replicas, streams each)
+
+
+def steady(path: Path) -> float:
+    """A stored count's tokens/s over its steady part (all its requests in flight), else over the whole run."""
+    data = json.loads(path.read_text())
+    return float(data.get("steady_tok_s") or data["total_tok_s"])
+
+
+def measured_counts(run: Path) -> dict[str, float]:
+    """A run's replica counts as they held: one client process through the gateway (100 streams in all, 1 or 2
+    replicas), one client process per replica through the gateway and straight (100 streams each)."""
+    counts = run / "points" / "replicas"
+    return {f"{way} k{k}": steady(counts / f"{prefix}k{k}.json") for k in (1, 2)
+            for way, prefix in (("one client", ""), ("k clients", "gateway-"), ("straight", "direct-"))}
+
+
+def simulated_counts(model: str, input_tokens: int, output_tokens: int) -> dict[str, float]:
+    """The simulator's tokens/s for `SIM_COUNTS` on the H200 (0.9 of its memory split between the replicas, every
+    request at once, vLLM V1's chunked prefill of 8,192 tokens a step), its steps priced by the H200's step-time
+    constants fitted without `model`."""
+    from sim.calibrate import run_all_at_once
+    from sim.gpus import get_gpu
+    from sim.model import load_model
+    from sim.stepfit import fit_per_gpu, load_all
+    from sim.workload import RequestSpec
+
+    gpu = get_gpu("H200")
+    cost = fit_per_gpu([m for m in load_all() if m.model != model])["H200"].step_cost(gpu)
+    spec = load_model(model)
+    out = {}
+    for k, streams in SIM_COUNTS:
+        requests = [RequestSpec(input_tokens, output_tokens)] * max(200, 2 * k * streams)
+        out[f"{k} x {streams}"] = run_all_at_once(spec, gpu, cost, streams, k, requests, max_num_batched_tokens=8192,
+                                                  chunked_prefill=True).total_tok_s
+    return out
+
+
+def count_rows(gpu: Path, runs: dict[str, str]) -> list[dict[str, Any]]:
+    """Per run: the counts measured and simulated, in tokens/s."""
+    rows = []
+    for run, model in runs.items():
+        settings = json.loads((gpu / run / "settings.json").read_text())
+        rows.append({"run": run, "model": model, "measured": measured_counts(gpu / run),
+                     "simulated": simulated_counts(model, settings["input_tokens"], settings["output_tokens"])})
+    return rows
+
+
+def counts_report(rows: Sequence[dict[str, Any]]) -> str:
+    """Two replicas against one, measured as held and simulated: the same total of streams, and twice."""
+    body = []
+    for r in rows:
+        m, s = r["measured"], r["simulated"]
+        one = s[f"1 x {POOL}"]
+        body.append([r["run"], f"{m['one client k2'] / m['one client k1'] - 1:+.0%}",
+                     f"{s[f'2 x {POOL // 2}'] / one - 1:+.0%}",
+                     f"{m['k clients k2'] / m['k clients k1'] - 1:+.0%}, {m['straight k2'] / m['straight k1'] - 1:+.0%}",
+                     f"{s[f'2 x {POOL}'] / one - 1:+.0%}", f"{s[f'1 x {2 * POOL}'] / one - 1:+.0%}",
+                     f"{m['one client k1']:,.0f}, {m['k clients k1']:,.0f}, {m['straight k1']:,.0f}",
+                     f"{one:,.0f}"])
+    return "\n".join([
+        "Two replicas against one, as the counts held: 100 streams in all (one client process), and 100 each (one "
+        "per replica: through the gateway, then straight). Simulated: the H200's step-time constants fitted without "
+        "the run's model.", "",
+        markdown_table(["run", "2 x 50 against 1 x 100, measured", "simulated", "2 x 100 against 1 x 100, measured",
+                        "simulated", "1 x 200 against 1 x 100, simulated (not measured)",
+                        "1 x 100 measured tok/s (three ways)", "simulated"], body), ""])
+
+
 def report(pool: Sequence[dict[str, Any]], fits: Sequence[dict[str, Any]]) -> str:
     lines = ["Points of B > 100: (B - 100) / throughput is the mean wait for a connection by Little's law.", "",
              markdown_table(["point", "B", "req/s", "TTFT mean ms", "TTFT p50 ms", "(B - 100) / req/s ms",
@@ -123,9 +197,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     pool = pool_rows(args.gpu)
     runs = {run: v for run, v in FRONTIERS.items() if (args.gpu / run / "frontier").is_dir()}
     fits = calibration_rows(args.gpu, runs)
-    print(report(pool, fits))
+    counts = count_rows(args.gpu, {run: m for run, m in COUNTS.items() if (args.gpu / run / "points").is_dir()})
+    print(report(pool, fits) + "\n" + counts_report(counts))
     if args.out:
-        args.out.write_text(json.dumps({"pool": pool, "fits": fits}, indent=1) + "\n")
+        args.out.write_text(json.dumps({"pool": pool, "fits": fits, "counts": counts}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

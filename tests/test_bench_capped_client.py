@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.capped_client import main, pool_rows, relabelled
+from bench.capped_client import counts_report, main, measured_counts, pool_rows, relabelled, simulated_counts
 
 
 def point(folder: Path, batch: int, req_s: float, ttft_mean_ms: float) -> None:
@@ -42,3 +42,21 @@ def test_a_missing_folder_is_a_usage_error(tmp_path: Path, capsys: pytest.Captur
     with pytest.raises(SystemExit) as exc:
         main(["--gpu", str(tmp_path / "nowhere")])
     assert exc.value.code == 2 and "no such folder" in capsys.readouterr().err
+
+
+def test_the_counts_are_read_as_they_held_beside_the_simulator(tmp_path: Path) -> None:
+    """One client process: 100 streams over 1 or 2 replicas (the same total); one per replica: 100 each. The
+    steady rate where a count has one. The simulator's counts: two replicas at 100 each make more than one at 100,
+    and more than two at 50 each."""
+    counts = tmp_path / "run" / "points" / "replicas"
+    counts.mkdir(parents=True)
+    for name, tok in (("k1", 40000.0), ("k2", 30000.0), ("gateway-k1", 42000.0), ("gateway-k2", 50400.0),
+                      ("direct-k1", 44000.0), ("direct-k2", 55000.0)):
+        (counts / f"{name}.json").write_text(json.dumps({"total_tok_s": tok - 500, "steady_tok_s": tok}))
+    measured = measured_counts(tmp_path / "run")
+    assert measured["one client k2"] == 30000.0 and measured["straight k1"] == 44000.0
+    simulated = simulated_counts("opt-1.3b", 256, 128)
+    assert set(simulated) == {"1 x 100", "2 x 50", "2 x 100", "1 x 200"}
+    assert simulated["2 x 100"] > simulated["1 x 100"] > 0 and simulated["2 x 100"] > simulated["2 x 50"]
+    text = counts_report([{"run": "run", "model": "opt-1.3b", "measured": measured, "simulated": simulated}])
+    assert "| run | -25% |" in text and "| +20%, +25% |" in text

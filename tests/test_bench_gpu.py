@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.gpu.report import sim_gpu, sim_prediction, stepfit_section, write
+from bench.gpu.report import heldout_constants, sim_gpu, sim_prediction, stepfit_section, write
 from bench.gpu.settings import Settings, budget, gpu_preset, quick_preset
 from bench.gpu.simfit import calibration_section, vllm_facts
 from bench.gpu.steps import Context, client_argv, decide, routing_name
@@ -151,6 +151,7 @@ def test_report_sets_the_measurements_beside_the_papers_and_the_simulator(stored
     assert "| 18,000 | +38% |" in text  # k clients through the gateway: the steady rate where there is one
     assert "| 19,600 | +40% |" in text  # two replicas driven straight, beside the gateway's figures
     assert "## The step-time model against this GPU" in text and "Constants: fitted on H100-80GB" in text
+    assert "steps priced by the step-time model's constants fitted on H100-80GB, without opt-1.3b's own" in text
     assert "| 2 | gateway, 1 client | - | 1.98 | 1.20 | 1.10 |" in text
     assert "| 2 | gateway, k clients | 1.50 | 1.20 | 1.90 | 1.60 |" in text
     assert "| 1 | straight, k clients | - | - | 0.97 | 0.80 |" in text
@@ -178,12 +179,21 @@ def test_the_step_time_model_is_held_against_a_run_with_constants_fitted_without
 
 
 def test_simulator_gpu_names_and_predictions() -> None:
+    """The simulator's replica counts price steps with the step-time model's constants for the GPU, fitted without
+    the run's model: on the H200 (vLLM 0.26, a step's host time under 1 ms) two Qwen3-1.7B replicas at 100 each
+    come out near +22% over one, where the papers' vLLM 0.5.2 host time (StepCost's default) gave +42%."""
     assert sim_gpu("NVIDIA H100 80GB HBM3") == "H100-80GB" and sim_gpu("NVIDIA H200") == "H200"
     assert sim_gpu("NVIDIA L40S") is None and sim_gpu(None) is None
     s = gpu_preset("synthetic:opt-1.3b", Path("/tmp/x"))
     predicted = sim_prediction(s, "NVIDIA H100 80GB HBM3", 128, 0.45, (1, 2))
     assert predicted[2] > predicted[1] > 0
     assert sim_prediction(quick_preset(Path("/tmp/x")), "NVIDIA H100 80GB HBM3", 128, 0.45, (1, 2)) == {}
+    qwen = gpu_preset("synthetic:qwen3-1.7b", Path("/tmp/x"))
+    held = heldout_constants(qwen, "NVIDIA H200")
+    assert held is not None and held[0] == "qwen3-1.7b" and held[2] == "fitted on H200"
+    assert held[1].host_step_s < 1e-3  # from OPT-1.3B's H200 points alone
+    on_h200 = sim_prediction(qwen, "NVIDIA H200", 100, 0.45, (1, 2))
+    assert 1.1 < on_h200[2] / on_h200[1] < 1.3
 
 
 GPU_LOG = """\

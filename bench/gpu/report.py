@@ -12,7 +12,7 @@ import json
 import re
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from bench.common import markdown_table, pyplot
 from bench.gpu.settings import Settings, budget
@@ -22,9 +22,13 @@ from bench.gpu.store import Store, write_json
 from planner.points import ProfilePoint
 from planner.sources import load_csv, load_profile
 
+if TYPE_CHECKING:
+    from sim.stepfit import GpuConstants
+
 DATA = Path(__file__).resolve().parent.parent.parent / "planner" / "data"
 SINGLE_REF = DATA / "bca-opt-1.3b-h100-single.csv"
 REPLICATION_REF = DATA / "bca-opt-1.3b-h100-replication.csv"
+V1_TOKEN_BUDGET = 8192  # vLLM 0.26's chunked-prefill budget a step, as it logged on the H200 (runs 1-4)
 PAPER = "arXiv 2503.08311: OPT-1.3B, H100 64 GB, vLLM 0.5.2, ShareGPT, all requests at once"
 
 
@@ -48,18 +52,39 @@ def sim_gpu(name: str | None) -> str | None:
     return None
 
 
+def heldout_constants(settings: Settings, gpu_name: str | None) -> tuple[str, GpuConstants, str] | None:
+    """The cross-model step-time model's constants for this GPU fitted without this run's model (`sim stepfit`'s
+    held-out fit): the model's name, the constants, where they came from. None where the GPU or the model is
+    unknown to it, or on a CPU run."""
+    gpu = sim_gpu(gpu_name)
+    if gpu is None or settings.device != "gpu":
+        return None
+    from sim.stepfit import constants_for, fit_per_gpu, load_all, model_spec
+
+    name = settings.model.removeprefix("synthetic:")
+    try:
+        model_spec(name)
+    except (ValueError, OSError):
+        return None
+    constants, origin = constants_for(gpu, fit_per_gpu([m for m in load_all() if m.model != name]))
+    return name, constants, origin
+
+
 def sim_prediction(settings: Settings, gpu_name: str | None, b_star: int, share: float | None,
                    counts: Sequence[int]) -> dict[int, float]:
-    """The simulator's total tokens/s for k replicas at B* (its calibration: vLLM 0.5.2 on an H100 64 GB)."""
-    gpu = sim_gpu(gpu_name)
-    if gpu is None or settings.device != "gpu" or share is None:
+    """The simulator's total tokens/s for k replicas at B* each, every request at once: its steps priced by the
+    cross-model step-time model's constants for this GPU, fitted without this model (`heldout_constants`), with
+    vLLM V1's chunked prefill (8,192 tokens a step, as vLLM 0.26 logged on the H200)."""
+    held = heldout_constants(settings, gpu_name)
+    if held is None or share is None:
         return {}
     from sim.calibrate import run_all_at_once
-    from sim.gpus import get_gpu
     from sim.model import load_model
-    from sim.steptime import StepCost
+    from sim.stepfit import gpu_spec
     from sim.workload import RequestSpec
 
+    _, constants, _ = held
+    gpu = gpu_spec(str(sim_gpu(gpu_name)))
     try:
         model = load_model(settings.model)
     except ValueError:
@@ -68,7 +93,8 @@ def sim_prediction(settings: Settings, gpu_name: str | None, b_star: int, share:
     for k in counts:
         specs = [RequestSpec(settings.input_tokens, settings.output_tokens)] * max(200, 2 * k * b_star)
         try:
-            out[k] = run_all_at_once(model, get_gpu(gpu), StepCost(), b_star, k, specs, utilization=share * k).total_tok_s
+            out[k] = run_all_at_once(model, gpu, constants.step_cost(gpu), b_star, k, specs, utilization=share * k,
+                                     max_num_batched_tokens=V1_TOKEN_BUDGET, chunked_prefill=True).total_tok_s
         except ValueError:
             continue
     return out
@@ -78,17 +104,13 @@ def stepfit_section(settings: Settings, points: Sequence[ProfilePoint], gpu_name
     """The cross-model step-time model (`sim stepfit`) against this GPU's closed-loop points: the mean step (time
     per output token) measured and predicted, with constants fitted without this model's own points (held out, as
     in `sim stepfit`'s table). None where the GPU or the model is unknown to it."""
-    gpu = sim_gpu(gpu_name)
-    if gpu is None or settings.device != "gpu":
+    held = heldout_constants(settings, gpu_name)
+    if held is None:
         return None
-    from sim.stepfit import ClosedLoop, closed_loop_step_s, constants_for, fit_per_gpu, load_all, model_spec
+    from sim.stepfit import ClosedLoop, closed_loop_step_s, model_spec
 
-    name = settings.model.removeprefix("synthetic:")
-    try:
-        spec = model_spec(name)
-    except (ValueError, OSError):
-        return None
-    constants, origin = constants_for(gpu, fit_per_gpu([m for m in load_all() if m.model != name]))
+    name, constants, origin = held
+    spec = model_spec(name)
     rows = []
     for p in sorted(points, key=lambda q: q.batch_size):
         if not (p.tpot_ms.mean and p.req_s and p.e2e_ms.mean and p.ttft_ms.mean is not None):
@@ -374,6 +396,7 @@ def write(settings: Settings, store: Store) -> Path:
         b_star, n = b_star_of(planned), len(planned.replicas)
         share = planned.replicas[0].gpu_memory_utilization
     sims = sim_prediction(settings, machine.get("gpu"), b_star, share, range(1, n + 1)) if b_star else {}
+    held = heldout_constants(settings, machine.get("gpu")) if sims else None
     label = f"measured: {settings.model}, {machine.get('gpu') or settings.device}, vLLM {machine.get('vllm', '?')}"
     plot_frontier(profile.points, out / "fig1_frontier.png", label)
     plot_counts(store, sims, out / "fig5_replicas.png")
@@ -406,6 +429,9 @@ def write(settings: Settings, store: Store) -> Path:
              "run (all requests in flight, the fill and the drain left out) where it was recorded. Paper: two "
              "replicas of OPT-1.3B at batch 256 gave +35% tokens/s over one instance (H100 64 GB, vLLM 0.5.2).", "",
              counts_table, "",
+             *([f"Simulator: k replicas at B* each sharing the GPU (`sim`, every request at once), steps priced by "
+                f"the step-time model's constants {held[2]}, without {held[0]}'s own points (the section on it, "
+                "below); vLLM V1's chunked prefill.", ""] if sims and held else []),
              f"- without MPS: {counts_facts['decisions']['plain'] or '-'}",
              f"- with MPS: {counts_facts['decisions']['mps'] or counts_facts['mps_unavailable'] or '-'}", "",
              *(["CPU cores used while each count ran (CPU seconds over wall seconds; a process near 1.0 core per "
