@@ -300,6 +300,7 @@ class Setup:
     frontend_on_core: bool = False  # the calibrated replicas' API server on their engine's core (sim.measured)
     frontend_latency: bool = False  # their front end fitted as serial work plus a latency (sim.measured)
     core_work: bool = False  # their requests' work on the engine's core fitted, the steps netted of it
+    way_out: str | None = None  # MS,MS_PER_STREAM: a streamed chunk's way out of the API server (sim calibrate)
     first_seed: int = 0  # the seeds run are first_seed .. first_seed + seeds - 1
     prefill_cost: bool = True  # measure a prefill's cost per attention pair on the first replica (bench.prefill_cost)
 
@@ -434,8 +435,9 @@ def measure(setup: Setup) -> None:
                     meta[f"calibration{suffix(calibration)}"] = calibrate(
                         out, setup.profiles, len(real), suffix(calibration),
                         range(setup.calibration_rounds), base["replicas"][0]["max_num_seqs"], tokenizer, model_path,
-                        setup.frontend_on_core, setup.frontend_latency, setup.core_work)
+                        setup.frontend_on_core, setup.frontend_latency, setup.core_work, setup.way_out)
                     meta[f"replica_model{suffix(calibration)}"] = str(model_path)
+                    meta[f"way_out{suffix(calibration)}"] = setup.way_out
                     meta[f"calibration_rounds{suffix(calibration)}"] = setup.calibration_rounds
                     meta[f"frontend_latency{suffix(calibration)}"] = setup.frontend_latency
                     meta[f"core_work{suffix(calibration)}"] = setup.core_work
@@ -542,6 +544,10 @@ def main(argv: Sequence[str] | None = None) -> None:
                         "their engine's core for a fitted time each, the steps netted of it and the prefill per "
                         "token as bench.prefill_cost measured it (`sim calibrate --core-work`; needs the prefill "
                         "cost)")
+    parser.add_argument("--way-out", metavar="MS,MS_PER_STREAM", help="calibrate replica models whose streamed "
+                        "chunks take this long from the engine's output to the client, and this much more per other "
+                        "stream the API server sends (`sim calibrate --way-out`; bench.burst_probe --background "
+                        "measures it)")
     parser.add_argument("--prefill-cost", action=argparse.BooleanOptionalAction, help="measure what a prefill's "
                         "attention costs per (query, key) pair on the first real replica, one request at a time "
                         "after the first profiles (bench.prefill_cost, about a minute), and calibrate with it "
@@ -573,7 +579,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                     repeats=repeats, follow_speed=args.follow_speed, calibration_rounds=args.calibration_rounds,
                     match_steps=args.match_steps, pair_steps=args.pair_steps, cpu_twin=args.cpu_twin,
                     frontend_on_core=args.frontend_on_core, frontend_latency=args.frontend_latency,
-                    core_work=args.core_work, first_seed=args.first_seed,
+                    core_work=args.core_work, way_out=args.way_out, first_seed=args.first_seed,
                     prefill_cost=args.prefill_cost if args.prefill_cost is not None else not args.quick)
     if setup.core_work and (setup.frontend_latency or not setup.prefill_cost):
         parser.error("--core-work takes the prefill per token as measured: it needs the prefill cost (not "

@@ -64,13 +64,14 @@ def measure_prefill_cost(url: str, path: Path) -> None:
 
 def calibrate(out: Path, names: Sequence[str], replicas: int, suffix: str, rounds: Sequence[int], max_num_seqs: int,
               tokenizer: str, model_path: Path, frontend_on_core: bool = False,
-              frontend_latency: bool = False, core_work: bool = False) -> str:
+              frontend_latency: bool = False, core_work: bool = False, way_out: str | None = None) -> str:
     """Fit a replica model to the first replica's profiles in `rounds` (`sim calibrate` takes, point by point,
     the round with the median TPOT) and write it to `model_path`: `sim calibrate`'s report. `replicas`: how many
     the deployment has; `frontend_on_core`: the model's API server shares its engine's core; `frontend_latency`:
     its front end is serial work plus a latency (`sim calibrate --frontend-latency`); `core_work`: its requests'
-    work on the engine's core fitted, the steps netted of it (`sim calibrate --core-work`). With OUT/PREFILL_COST
-    there, the model prices a prefill's attention as measured."""
+    work on the engine's core fitted, the steps netted of it (`sim calibrate --core-work`); `way_out`: MS,MS_PER_STREAM
+    of a streamed chunk's way out (`sim calibrate --way-out`). With OUT/PREFILL_COST there, the model prices a
+    prefill's attention as measured."""
     profiles = []
     for round_k in rounds:
         for name in names:
@@ -82,6 +83,7 @@ def calibrate(out: Path, names: Sequence[str], replicas: int, suffix: str, round
                           *(["--frontend-on-core"] if frontend_on_core else []),
                           *(["--frontend-latency"] if frontend_latency else []),
                           *(["--core-work"] if core_work else []),
+                          *(["--way-out", way_out] if way_out else []),
                           *(["--prefill-cost", str(out / PREFILL_COST)] if (out / PREFILL_COST).exists() else [])],
                          check=True, timeout=900, capture_output=True, text=True)
     return fit.stdout
@@ -101,6 +103,6 @@ def round_models(out: Path, meta: dict[str, Any], suffix: str) -> list[str]:
             calibrate(out, meta["profiles"], int(meta["replicas"]), suffix, [k],
                       fitted.max_num_seqs, fitted.tokenizer or str(ensure_tiny_model()), path,
                       fitted.frontend_on_core, bool(meta.get(f"frontend_latency{suffix}", False)),
-                      bool(meta.get(f"core_work{suffix}", False)))
+                      bool(meta.get(f"core_work{suffix}", False)), meta.get(f"way_out{suffix}"))
         paths.append(str(path))
     return paths

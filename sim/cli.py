@@ -90,6 +90,10 @@ def _parser() -> argparse.ArgumentParser:
                      "request takes the core for its front end and then for more work (its way through the engine "
                      "core, its response's way out), fitted; the steps netted of it; the prefill per token as "
                      "--prefill-cost measured it (needs it; implies --frontend-on-core)")
+    cal.add_argument("--way-out", metavar="MS,MS_PER_STREAM", help="each streamed chunk's way from the engine's "
+                     "output to its client, past vLLM's TTFT stamp: milliseconds, and milliseconds more per other "
+                     "stream the API server is sending (bench.burst_probe --background measures it; on vLLM-CPU "
+                     "about 1.6,0.5); the fit takes it as given")
     cal.add_argument("--prefill-cost", metavar="FILE", help="`python -m bench.prefill_cost --out FILE` of the same "
                      "replica: what a prefill's attention costs per (query, key) pair, so a prompt's uncached end "
                      "costs more after a long cached context")
@@ -188,6 +192,20 @@ def _calibrate(args: argparse.Namespace) -> None:
     print(format_table(compare(cost), cost))
 
 
+def _way_out(text: str) -> tuple[float, float]:
+    """`--way-out MS,MS_PER_STREAM` in seconds."""
+    parts = text.split(",")
+    try:
+        if len(parts) != 2:
+            raise ValueError
+        base, per_stream = (float(p) / 1e3 for p in parts)
+    except ValueError:
+        raise UsageError(f"--way-out takes MS,MS_PER_STREAM (two numbers, e.g. 1.6,0.5), got {text!r}") from None
+    if base < 0 or per_stream < 0:
+        raise UsageError(f"--way-out must be >= 0, got {text!r}")
+    return base, per_stream
+
+
 def _calibrate_profile(args: argparse.Namespace) -> None:
     from pathlib import Path
 
@@ -197,10 +215,11 @@ def _calibrate_profile(args: argparse.Namespace) -> None:
         raise UsageError("--profile needs --out FILE for the replica model")
     given = EngineFacts(args.max_num_seqs, args.max_num_batched_tokens, args.chunked_prefill, args.prefix_caching,
                         args.max_model_len, args.tokenizer, args.served_model_name)
+    way_out = _way_out(args.way_out) if args.way_out else None
     try:
         model, rows = calibrate(args.profile[0], given, extra=args.profile[1:], frontend_on_core=args.frontend_on_core,
                                 prefill_cost=args.prefill_cost, frontend_latency=args.frontend_latency,
-                                core_work=args.core_work)
+                                core_work=args.core_work, way_out=way_out)
     except CalibrationError as exc:
         raise UsageError(str(exc)) from None
     Path(args.out).write_text(model.to_json(), encoding="utf-8")
@@ -218,7 +237,8 @@ async def serve_measured(model: ReplicaModel, replicas: int, port: int, host: st
     announce = (f"{replicas} replica(s) imitating {model.model_name} ({model.source.get('profile', '?')}) at "
                 f"http://{host}:{port}..{port + replicas - 1}")
     apps = [make_app(engine, model.model_name, seed + i, coder, model.frontend_s, model.stream_s,
-                     model.frontend_latency_s, model.frontend_core_s) for i, engine in enumerate(engines)]
+                     model.frontend_latency_s, model.frontend_core_s, (model.way_out_s, model.way_out_per_stream_s))
+            for i, engine in enumerate(engines)]
     await serve_until_stopped(apps, host, port, announce)
 
 

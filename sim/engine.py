@@ -214,6 +214,10 @@ class Engine:
     def num_running(self) -> int:
         return len(self.running)
 
+    def streams_besides(self, rid: int) -> int:
+        """Streamed requests decoding now, request `rid` left out: the streams its API server is sending."""
+        return len(self._streams) - (rid in self._streams)
+
     @property
     def num_waiting(self) -> int:
         return len(self.waiting)

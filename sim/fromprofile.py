@@ -234,7 +234,7 @@ def replay_point(model: ReplicaModel, batch_size: int, requests: int, prompt: in
     done: list[SimRequest] = []
     left = [requests]
     frontend = FrontEnd.of_model(engine, model)
-    streamed = model.stream_s > 0  # tokens pass the front end one by one (else: at the engine's times)
+    streamed = frontend.streams_at_cost  # tokens pass the front end one by one (else: at the engine's times)
 
     def send() -> None:
         if left[0] <= 0:
@@ -417,7 +417,8 @@ def fit_core_work(start: ReplicaModel, profiles: Sequence[Profile], rest: float,
 def calibrate(profile_dir: str | Path, given: EngineFacts = EngineFacts(), iters: int = 40,
               extra: Sequence[str | Path] = (), frontend_on_core: bool = False,
               prefill_cost: str | Path | None = None,
-              frontend_latency: bool = False, core_work: bool = False) -> tuple[ReplicaModel, list[PointFit]]:
+              frontend_latency: bool = False, core_work: bool = False,
+              way_out: tuple[float, float] | None = None) -> tuple[ReplicaModel, list[PointFit]]:
     """The fitted replica model and its point-by-point comparison with the profile(s).
 
     `extra`: more profiles of the same replica. One with the first's workload is another round of it (see
@@ -435,6 +436,8 @@ def calibrate(profile_dir: str | Path, given: EngineFacts = EngineFacts(), iters
     `core_work`: a CPU replica whose processes share one core (implies `frontend_on_core`): each request takes
     the core for its front end and then for more work (`ReplicaModel.frontend_core_s`); the prefill per token is
     taken as `prefill_cost` measured it, and the steps are netted of the core work (`fit_core_work`).
+    `way_out`: each streamed chunk's latency past vLLM's TTFT stamp and its growth per other stream, in seconds,
+    as measured (`ReplicaModel.way_out_s`): taken as given, and the rest fitted with it in the replay.
     """
     if core_work and frontend_latency:
         raise CalibrationError("give --core-work or --frontend-latency, not both")
@@ -447,6 +450,11 @@ def calibrate(profile_dir: str | Path, given: EngineFacts = EngineFacts(), iters
                                "ones (several profiles of one workload are rounds)")
     profile = groups[0]
     start = replace(initial_model(profile, facts_from_profile(profile, given)), frontend_on_core=frontend_on_core)
+    if way_out is not None:
+        if min(way_out) < 0:
+            raise CalibrationError(f"the way out must be >= 0 seconds, got {way_out}")
+        start = replace(start, way_out_s=way_out[0], way_out_per_stream_s=way_out[1],
+                        source={**start.source, "way_out_s, way_out_per_stream_s": "given (--way-out)"})
     if prefill_cost is not None:
         start = replace(start, prefill_s_per_pair=prefill_pair_cost(prefill_cost),
                         source={**start.source, "prefill_s_per_pair": f"measured: {prefill_cost} (bench.prefill_cost)"})

@@ -36,12 +36,19 @@ response's way out), taken as one piece right after the front end: the engine ha
 core is held, so the steps (the request's own first one among them) and the next request's front end wait. On an
 idle vLLM-CPU replica a request of 128 tokens took 8-10 ms of its core's time outside the model while its API
 server's part of vLLM's TTFT was 2.1 ms (docs/sim.md, "What a request costs the replica's one core").
+
+`way_out_s` + `way_out_per_stream_s` x streams: each streamed chunk's way from the engine's output to its client,
+past where vLLM stamps the first token (the API server detokenizes, formats and writes the chunks of every stream
+it serves on one event loop). A latency, on no core: the steps do not wait for it. On vLLM-CPU, outside vLLM's
+TTFT a 128-token prompt took 3.6 ms on an idle replica and about 0.5 ms more per stream beside it, where `sim
+serve` took 2-3 ms at any count (`bench.burst_probe --background`, docs/sim.md).
 """
 
 from __future__ import annotations
 
 import bisect
 import json
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -83,6 +90,8 @@ class ReplicaModel:
     prefill_s_per_pair: float = 0.0  # seconds per (query, key) pair a prompt chunk's attention computes (see above)
     frontend_latency_s: float = 0.0  # time to the engine that requests spend together, beyond frontend_s (see above)
     frontend_core_s: float = 0.0  # core time a request holds after passing the front end (see above)
+    way_out_s: float = 0.0  # a streamed chunk's time from the engine's output to its client (see above)
+    way_out_per_stream_s: float = 0.0  # ... and this much more per other stream its API server is sending
 
     def __post_init__(self) -> None:
         if not self.step_s:
@@ -105,7 +114,7 @@ class ReplicaModel:
         if self.frontend_core_s and not self.frontend_on_core:
             raise ConfigError("frontend_core_s (a request's work on its engine's core) needs frontend_on_core")
         for name in ("prefill_s_per_token", "frontend_s", "kv_bytes_per_token", "stream_s", "prefill_s_per_pair",
-                     "frontend_latency_s", "frontend_core_s"):
+                     "frontend_latency_s", "frontend_core_s", "way_out_s", "way_out_per_stream_s"):
             if not getattr(self, name) >= 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "num_blocks", "max_model_len"):
@@ -187,27 +196,37 @@ class FrontEnd:
     the core after a request's `service_s`: the request has passed, but the core (and the queue) stay held."""
 
     def __init__(self, service_s: float, stream_s: float = 0.0, core: SharedDevice | None = None,
-                 latency_s: float = 0.0, core_s: float = 0.0) -> None:
+                 latency_s: float = 0.0, core_s: float = 0.0, way_out: tuple[float, float] = (0.0, 0.0),
+                 streams: Callable[[int], int] | None = None) -> None:
         self.service_s = service_s
         self.stream_s = stream_s
         self.latency_s = latency_s
         self.core_s = core_s if core is not None else 0.0
         self.core = core
-        self._base = (service_s, stream_s, latency_s, self.core_s)
+        self.out_s, self.out_per_stream_s = way_out
+        self._streams = streams  # rid -> the other streams its API server is sending now
+        self._base = (service_s, stream_s, latency_s, self.core_s, self.out_s, self.out_per_stream_s)
         self._free_at = 0.0
         self._pending: dict[int, float] = {}
 
     @classmethod
     def of(cls, engine: Engine, service_s: float, stream_s: float = 0.0, latency_s: float = 0.0,
-           core_s: float = 0.0) -> FrontEnd:
+           core_s: float = 0.0, way_out: tuple[float, float] = (0.0, 0.0)) -> FrontEnd:
         """`engine`'s front end: on the engine's core where the engine's whole step is work there
         (`Engine.host_on_device`, which `MeasuredSpec` sets from `ReplicaModel.frontend_on_core`)."""
-        return cls(service_s, stream_s, engine.device if engine.host_on_device else None, latency_s, core_s)
+        return cls(service_s, stream_s, engine.device if engine.host_on_device else None, latency_s, core_s,
+                   way_out, engine.streams_besides)
 
     @classmethod
     def of_model(cls, engine: Engine, model: ReplicaModel) -> FrontEnd:
         """`engine`'s front end as `model` describes it."""
-        return cls.of(engine, model.frontend_s, model.stream_s, model.frontend_latency_s, model.frontend_core_s)
+        return cls.of(engine, model.frontend_s, model.stream_s, model.frontend_latency_s, model.frontend_core_s,
+                      (model.way_out_s, model.way_out_per_stream_s))
+
+    @property
+    def streams_at_cost(self) -> bool:
+        """Whether a streamed token reaches its client later than the engine made it."""
+        return bool(self.stream_s or self.out_s or self.out_per_stream_s)
 
     def admit(self, now: float) -> float:
         """When a request arriving `now` reaches the engine."""
@@ -220,18 +239,24 @@ class FrontEnd:
 
     def deliver(self, now: float, rid: int) -> float:
         """When a token request `rid`'s engine made `now` reaches its client."""
-        if not self.stream_s:
+        if not self.streams_at_cost:
             return now
         pending = self._pending.get(rid)
         if pending is not None and pending > now:
             return pending  # merged into the chunk still waiting
-        self._free_at = max(now, self._free_at) + self.stream_s
-        self._pending[rid] = self._free_at
-        return self._free_at
+        sent = now
+        if self.stream_s:
+            self._free_at = sent = max(now, self._free_at) + self.stream_s
+        if self.out_s or self.out_per_stream_s:
+            others = self._streams(rid) if self._streams is not None else 0
+            sent += self.out_s + self.out_per_stream_s * others
+        self._pending[rid] = sent
+        return sent
 
     def set_scale(self, scale: float) -> None:
         """Every cost `scale` times the one it was made with (the machine slower or faster than calibrated)."""
-        self.service_s, self.stream_s, self.latency_s, self.core_s = (scale * cost for cost in self._base)
+        (self.service_s, self.stream_s, self.latency_s, self.core_s, self.out_s,
+         self.out_per_stream_s) = (scale * cost for cost in self._base)
 
     def until(self, rid: int) -> float:
         """When request `rid`'s last chunk so far reaches its client (0: none is waiting)."""

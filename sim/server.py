@@ -256,7 +256,8 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
         loop = asyncio.get_running_loop()
         await asyncio.sleep(state.frontend.admit(loop.time()) - loop.time())
     wake = asyncio.Event()
-    frontend = state.frontend if parsed.stream and state.frontend is not None and state.frontend.stream_s else None
+    frontend = state.frontend if parsed.stream and state.frontend is not None and state.frontend.streams_at_cost \
+        else None
     for choice in choices:
         choice.req.on_token = _on_token(choice, wake, frontend)
         choice.req.on_finish = _on_finish(choice, wake, frontend)
@@ -505,14 +506,15 @@ async def speed(request: web.Request) -> web.Response:
 
 def make_app(engine: Engine, model_name: str, seed: int | None = None, coder: Coder | None = None,
              frontend_s: float = 0.0, stream_s: float = 0.0, frontend_latency_s: float = 0.0,
-             frontend_core_s: float = 0.0) -> web.Application:
+             frontend_core_s: float = 0.0, way_out: tuple[float, float] = (0.0, 0.0)) -> web.Application:
     """One simulated replica's aiohttp application (`frontend_s`, `stream_s`: its API server's cost per request
     and per streamed chunk, `FrontEnd.of` the engine: on its core where the engine's step is;
     `frontend_latency_s`: time to the engine that requests spend side by side; `frontend_core_s`: a request's further
-    work on the engine's core, see `ReplicaModel`)."""
+    work on the engine's core; `way_out`: a streamed chunk's latency to its client, and that per other stream; see
+    `ReplicaModel`)."""
     app = web.Application()
-    frontend = (FrontEnd.of(engine, frontend_s, stream_s, frontend_latency_s, frontend_core_s)
-                if frontend_s or stream_s or frontend_latency_s or frontend_core_s else None)
+    frontend = (FrontEnd.of(engine, frontend_s, stream_s, frontend_latency_s, frontend_core_s, way_out)
+                if frontend_s or stream_s or frontend_latency_s or frontend_core_s or any(way_out) else None)
     app[STATE] = ReplicaState(engine, model_name, random.Random(seed), coder=coder, frontend=frontend,
                               token_text=token_text(coder))
     app.router.add_post("/v1/completions", completions)
