@@ -23,7 +23,7 @@ from .sim_vs_real_lengths import length_lines
 from .sim_vs_real_ranking import point_of, ranking_lines, verdict_lines
 from .sim_vs_real_rounds import models_lines, rounds_lines
 from .sim_vs_real_steps import speedometer_lines, steps_lines
-from .sim_vs_real_ttft import ttft_lines, twin_lines
+from .sim_vs_real_ttft import outside_lines, ttft_lines, twin_lines
 
 POLICIES = ("prefix_affinity", "least_outstanding_tokens", "least_requests", "round_robin")
 CHAT_POLICIES = ("prefix_affinity", "consistent_hash", "least_outstanding_tokens", "round_robin")
@@ -259,6 +259,7 @@ def report(out: Path, meta: dict[str, Any]) -> str:
     simulated = [n for n in (*CALIBRATIONS.values(), FOLLOWED, PAIRED, MATCHED) if n in table]
     lines += ttft_lines(rows, ["real", *simulated])
     lines += twin_lines(rows, simulated)
+    lines += outside_lines(rows, ["real", *simulated])
     lines += length_lines(rows, simulated)
     lines += ["## The default on real replicas (p99 TTFT, ms, pooled over seeds)", ""]
     judged = []

@@ -101,3 +101,40 @@ def twin_lines(rows: Sequence[dict[str, Any]], sides: Sequence[str]) -> list[str
             "the real one's.", "",
             markdown_table(["side", "pairs", "TTFT", "outside the replica", "before the queue", "queue", "prefill",
                             "prefill sim / real"], body), ""]
+
+
+def streams_met(row: dict[str, Any]) -> float | None:
+    """The mean over a run's requests of the other requests decoding on the same replica when its first token came
+    (from the run's own send times, TTFTs and E2Es): the streams that replica's API server was sending then."""
+    firsts, e2e = row.get("firsts"), row.get("e2e_s")
+    if not firsts or not e2e or len(firsts) != len(e2e):
+        return None
+    spans = [(sent + ttft, sent + total, replica) for (sent, ttft, _, replica), total in zip(firsts, e2e)]
+    by_replica: dict[str, list[tuple[float, float]]] = {}
+    for first, end, replica in spans:
+        by_replica.setdefault(replica, []).append((first, end))
+    return float(np.mean([sum(f <= first < e for f, e in by_replica[replica]) - 1 for first, end, replica in spans]))
+
+
+def outside_lines(rows: Sequence[dict[str, Any]], sides: Sequence[str]) -> list[str]:
+    """The report's section: per side, each single-turn run's mean time outside the replica against the streams its
+    first tokens met (`streams_met`), as a least-squares line over the runs."""
+    body = []
+    for side in sides:
+        points = [(n, figures[1]) for r in rows if r["side"] == side and r["workload"] != "chat"
+                  and (figures := split(r)) is not None and (n := streams_met(r)) is not None]
+        if len(points) < 3:
+            continue
+        x, y = np.array(points).T
+        (a, c), *_ = np.linalg.lstsq(np.vstack([np.ones_like(x), x]).T, y, rcond=None)
+        residual = y - (a + c * x)
+        body.append([side, len(points), f"{x.min():.1f}-{x.max():.1f}", f"{y.min():.1f}-{y.max():.1f}", f"{a:.1f}",
+                     f"{c:.2f}", f"{residual.std():.1f}"])
+    if not body:
+        return []
+    return ["## Outside the replica, against the streams a first token met", "",
+            "Per run: the mean time outside the replica (as above, ms) against the mean number of other requests "
+            "decoding on a first token's replica when it came (from the run's own requests); a least-squares line "
+            "over the runs of each side. vLLM's API server writes every stream's chunks from one event loop.", "",
+            markdown_table(["side", "runs", "streams", "outside ms", "line: ms", "+ ms a stream", "residual sd ms"],
+                           body), ""]

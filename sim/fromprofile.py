@@ -519,7 +519,9 @@ def format_fit(model: ReplicaModel, rows: Sequence[PointFit]) -> str:
              f"front end: {model.frontend_s * 1e3:.1f} ms a request{where}"
              + (f" then {model.frontend_core_s * 1e3:.1f} ms more of the core" if model.frontend_core_s else "")
              + (f" + {model.frontend_latency_s * 1e3:.1f} ms of latency side by side"
-                if model.frontend_latency_s else "") + f", {model.stream_s * 1e6:.0f} us a streamed chunk",
+                if model.frontend_latency_s else "") + f", {model.stream_s * 1e6:.0f} us a streamed chunk"
+             + (f"; way out: {model.way_out_s * 1e3:.1f} ms + {model.way_out_per_stream_s * 1e3:.2f} ms a stream"
+                if model.way_out_s or model.way_out_per_stream_s else ""),
              f"max_num_seqs {model.max_num_seqs}, max_num_batched_tokens {model.max_num_batched_tokens}, "
              f"chunked prefill {model.chunked_prefill}, prefix caching {model.prefix_caching}, "
              f"{model.num_blocks} blocks of {model.block_size} tokens, max_model_len {model.max_model_len}",

@@ -193,7 +193,9 @@ class FrontEnd:
     With a `core` (the engine's own device, `ReplicaModel.frontend_on_core`), each request's `service_s` is also
     time the engine's steps stand still (`SharedDevice.block`); the streaming cost stays off the core. `latency_s`
     is added to each request's way after its turn in the queue: requests spend it side by side. `core_s`: work on
-    the core after a request's `service_s`: the request has passed, but the core (and the queue) stay held."""
+    the core after a request's `service_s`: the request has passed, but the core (and the queue) stay held.
+    `way_out`: (seconds, seconds per other stream): each chunk's latency on its way out, after the queue, side by
+    side; `streams(rid)` counts the other streams the replica is sending (`Engine.streams_besides`)."""
 
     def __init__(self, service_s: float, stream_s: float = 0.0, core: SharedDevice | None = None,
                  latency_s: float = 0.0, core_s: float = 0.0, way_out: tuple[float, float] = (0.0, 0.0),

@@ -441,6 +441,29 @@ def test_each_simulated_run_is_set_beside_its_real_twin_part_by_part() -> None:
     assert twin_lines([real], ["sim-paired"]) == []
 
 
+def test_outside_the_replica_is_set_against_the_streams_each_first_token_met() -> None:
+    """A first token meets the other requests decoding on its replica then (first token <= t < end): here 0, 1 and
+    0 (the third on another replica); each side's runs get a least-squares line of their time outside the replica
+    against that count (runs of 1, 2 and 3 streams at 5 + 1 ms a stream give exactly that line), and a side with
+    fewer than three runs none."""
+    from bench.sim_vs_real_ttft import outside_lines, streams_met
+
+    row = {"firsts": [[0.0, 0.1, 128, "a"], [0.2, 0.1, 128, "a"], [0.2, 0.1, 128, "b"]], "e2e_s": [1.0, 1.0, 1.0]}
+    assert streams_met(row) == pytest.approx(1 / 3)
+    assert streams_met({"firsts": [], "e2e_s": []}) is None
+
+    def run(streams: int) -> dict[str, object]:
+        # `streams` + 1 requests sent together on one replica, each first token meeting the others decoding
+        firsts = [[0.0, 0.01, 128, "a"]] * (streams + 1)
+        outside = (5 + streams) / 1e3
+        return {"side": "real", "workload": "mix", "firsts": firsts, "e2e_s": [1.0] * (streams + 1),
+                "ttft_s": [0.03 + outside], "engine": {"ttft_parts": {"engine_ttft_s": 0.03, "queue_s": 0.0,
+                                                                      "prefill_s": 0.02}}}
+    text = "\n".join(outside_lines([run(1), run(2), run(3)], ["real", "sim-paired"]))
+    assert "| real | 3 | 1.0-3.0 | 6.0-8.0 | 5.0 | 1.00 | 0.0 |" in text and "sim-paired" not in text
+    assert outside_lines([run(1)], ["real"]) == []
+
+
 def test_the_cpu_twin_burns_what_the_real_replicas_used() -> None:
     """`--cpu-twin` copies the real replicas' median cores (NaN readings left out); a run without them is an
     error; the burners split the cores into whole processes, and a burner spins for its share of the time."""
