@@ -119,24 +119,14 @@ def measured_counts(run: Path) -> dict[str, float]:
 
 
 def simulated_counts(model: str, input_tokens: int, output_tokens: int) -> dict[str, float]:
-    """The simulator's tokens/s for `SIM_COUNTS` on the H200 (0.9 of its memory split between the replicas, every
-    request at once, vLLM V1's chunked prefill of 8,192 tokens a step), its steps priced by the H200's step-time
-    constants fitted without `model`."""
-    from sim.calibrate import run_all_at_once
-    from sim.gpus import get_gpu
-    from sim.model import load_model
-    from sim.stepfit import fit_per_gpu, load_all
-    from sim.workload import RequestSpec
+    """The simulator's tokens/s for `SIM_COUNTS` on the H200 (`bench.gpu.report.sim_tok_s`: 0.9 of its memory split
+    between the replicas, every request at once, vLLM V1's chunked prefill), its steps priced by the H200's
+    step-time constants fitted without `model`."""
+    from bench.gpu.report import fit_without, sim_tok_s
 
-    gpu = get_gpu("H200")
-    cost = fit_per_gpu([m for m in load_all() if m.model != model])["H200"].step_cost(gpu)
-    spec = load_model(model)
-    out = {}
-    for k, streams in SIM_COUNTS:
-        requests = [RequestSpec(input_tokens, output_tokens)] * max(200, 2 * k * streams)
-        out[f"{k} x {streams}"] = run_all_at_once(spec, gpu, cost, streams, k, requests, max_num_batched_tokens=8192,
-                                                  chunked_prefill=True).total_tok_s
-    return out
+    fit = fit_without(model, "H200")
+    return {f"{k} x {streams}": sim_tok_s(fit, model, streams, k, input_tokens, output_tokens)
+            for k, streams in SIM_COUNTS}
 
 
 def count_rows(gpu: Path, runs: dict[str, str]) -> list[dict[str, Any]]:

@@ -169,13 +169,14 @@ def test_the_step_time_model_is_held_against_a_run_with_constants_fitted_without
     H200 constants fitted on the other model's runs only (OPT-1.3B), so the comparison is a held-out one."""
     out = Path(__file__).resolve().parent.parent / "docs/bench/gpu/qwen3-1.7b-2026-11-29"
     points = load_profile(out / "frontier").points
-    text = stepfit_section(gpu_preset("synthetic:qwen3-1.7b", out), points, "NVIDIA H200")
+    settings = gpu_preset("synthetic:qwen3-1.7b", out)
+    text = stepfit_section(settings, points, heldout_constants(settings, "NVIDIA H200"))
     assert text is not None and "Constants: fitted on H200, without qwen3-1.7b's own points" in text
     rows = [line.split("|")[1:-1] for line in text.splitlines() if line.startswith("| ") and "---" not in line][1:]
     assert [int(r[0]) for r in rows] == [1, 16, 64, 256]
     assert [float(r[3]) for r in rows] == [2.20, 2.35, 3.41, 4.76]  # mean time per output token, ms
     assert all(abs(float(r[5].strip().rstrip("%"))) <= 25 for r in rows)
-    assert stepfit_section(gpu_preset("synthetic:qwen3-1.7b", out), points, "NVIDIA L40S") is None
+    assert heldout_constants(settings, "NVIDIA L40S") is None and stepfit_section(settings, points, None) is None
 
 
 def test_simulator_gpu_names_and_predictions() -> None:
@@ -185,14 +186,15 @@ def test_simulator_gpu_names_and_predictions() -> None:
     assert sim_gpu("NVIDIA H100 80GB HBM3") == "H100-80GB" and sim_gpu("NVIDIA H200") == "H200"
     assert sim_gpu("NVIDIA L40S") is None and sim_gpu(None) is None
     s = gpu_preset("synthetic:opt-1.3b", Path("/tmp/x"))
-    predicted = sim_prediction(s, "NVIDIA H100 80GB HBM3", 128, 0.45, (1, 2))
+    predicted = sim_prediction(s, heldout_constants(s, "NVIDIA H100 80GB HBM3"), 128, 0.45, (1, 2))
     assert predicted[2] > predicted[1] > 0
-    assert sim_prediction(quick_preset(Path("/tmp/x")), "NVIDIA H100 80GB HBM3", 128, 0.45, (1, 2)) == {}
+    quick = quick_preset(Path("/tmp/x"))  # a CPU run: no GPU fit, no prediction
+    assert sim_prediction(quick, heldout_constants(quick, "NVIDIA H100 80GB HBM3"), 128, 0.45, (1, 2)) == {}
     qwen = gpu_preset("synthetic:qwen3-1.7b", Path("/tmp/x"))
     held = heldout_constants(qwen, "NVIDIA H200")
-    assert held is not None and held[0] == "qwen3-1.7b" and held[2] == "fitted on H200"
-    assert held[1].host_step_s < 1e-3  # from OPT-1.3B's H200 points alone
-    on_h200 = sim_prediction(qwen, "NVIDIA H200", 100, 0.45, (1, 2))
+    assert held is not None and held.model == "qwen3-1.7b" and held.origin == "fitted on H200"
+    assert held.constants.host_step_s < 1e-3  # from OPT-1.3B's H200 points alone
+    on_h200 = sim_prediction(qwen, held, 100, 0.45, (1, 2))
     assert 1.1 < on_h200[2] / on_h200[1] < 1.3
 
 

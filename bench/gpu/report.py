@@ -11,6 +11,7 @@ import csv
 import json
 import re
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -52,64 +53,84 @@ def sim_gpu(name: str | None) -> str | None:
     return None
 
 
-def heldout_constants(settings: Settings, gpu_name: str | None) -> tuple[str, GpuConstants, str] | None:
-    """The cross-model step-time model's constants for this GPU fitted without this run's model (`sim stepfit`'s
-    held-out fit): the model's name, the constants, where they came from. None where the GPU or the model is
-    unknown to it, or on a CPU run."""
+@dataclass(frozen=True)
+class HeldOutFit:
+    """The cross-model step-time model's constants for one GPU, fitted without one model's points (`sim stepfit`'s
+    held-out fit), and where they came from."""
+
+    model: str  # the model left out, as `sim stepfit` names it (opt-1.3b)
+    gpu: str  # the simulator's GPU (H200)
+    constants: GpuConstants
+    origin: str
+
+
+def fit_without(model: str, gpu: str) -> HeldOutFit:
+    """`gpu`'s step-time constants fitted on every model's points but `model`'s (`sim.stepfit.constants_for`)."""
+    from sim.stepfit import constants_for, fit_per_gpu, load_all
+
+    constants, origin = constants_for(gpu, fit_per_gpu([m for m in load_all() if m.model != model]))
+    return HeldOutFit(model, gpu, constants, origin)
+
+
+def heldout_constants(settings: Settings, gpu_name: str | None) -> HeldOutFit | None:
+    """This run's GPU fitted without its model (`fit_without`); None where the GPU or the model is unknown to the
+    step-time model, or on a CPU run."""
     gpu = sim_gpu(gpu_name)
     if gpu is None or settings.device != "gpu":
         return None
-    from sim.stepfit import constants_for, fit_per_gpu, load_all, model_spec
+    from sim.stepfit import model_spec
 
     name = settings.model.removeprefix("synthetic:")
     try:
         model_spec(name)
     except (ValueError, OSError):
         return None
-    constants, origin = constants_for(gpu, fit_per_gpu([m for m in load_all() if m.model != name]))
-    return name, constants, origin
+    return fit_without(name, gpu)
 
 
-def sim_prediction(settings: Settings, gpu_name: str | None, b_star: int, share: float | None,
-                   counts: Sequence[int]) -> dict[int, float]:
-    """The simulator's total tokens/s for k replicas at B* each, every request at once: its steps priced by the
-    cross-model step-time model's constants for this GPU, fitted without this model (`heldout_constants`), with
-    vLLM V1's chunked prefill (8,192 tokens a step, as vLLM 0.26 logged on the H200)."""
-    held = heldout_constants(settings, gpu_name)
-    if held is None or share is None:
-        return {}
+def sim_tok_s(fit: HeldOutFit, model: str, streams: int, replicas: int, input_tokens: int, output_tokens: int,
+              utilization: float = 0.9) -> float:
+    """The simulator's total tokens/s for `replicas` replicas of `model` on `fit`'s GPU sharing `utilization` of its
+    memory, `streams` requests at a time each (every request at once), steps priced by `fit`'s constants, with
+    vLLM V1's chunked prefill (8,192 tokens a step, as vLLM 0.26 logged on the H200). ValueError where the model
+    does not fit."""
     from sim.calibrate import run_all_at_once
     from sim.model import load_model
     from sim.stepfit import gpu_spec
     from sim.workload import RequestSpec
 
-    _, constants, _ = held
-    gpu = gpu_spec(str(sim_gpu(gpu_name)))
-    try:
-        model = load_model(settings.model)
-    except ValueError:
+    gpu = gpu_spec(fit.gpu)
+    specs = [RequestSpec(input_tokens, output_tokens)] * max(200, 2 * replicas * streams)
+    return run_all_at_once(load_model(model), gpu, fit.constants.step_cost(gpu), streams, replicas, specs,
+                           utilization=utilization, max_num_batched_tokens=V1_TOKEN_BUDGET,
+                           chunked_prefill=True).total_tok_s
+
+
+def sim_prediction(settings: Settings, fit: HeldOutFit | None, b_star: int, share: float | None,
+                   counts: Sequence[int]) -> dict[int, float]:
+    """The simulator's total tokens/s for k replicas at B* each (`sim_tok_s`), priced by `fit` (this run's GPU
+    without its model, `heldout_constants`)."""
+    if fit is None or share is None:
         return {}
     out = {}
     for k in counts:
-        specs = [RequestSpec(settings.input_tokens, settings.output_tokens)] * max(200, 2 * k * b_star)
         try:
-            out[k] = run_all_at_once(model, gpu, constants.step_cost(gpu), b_star, k, specs, utilization=share * k,
-                                     max_num_batched_tokens=V1_TOKEN_BUDGET, chunked_prefill=True).total_tok_s
-        except ValueError:
+            out[k] = sim_tok_s(fit, settings.model, b_star, k, settings.input_tokens, settings.output_tokens,
+                               utilization=share * k)
+        except ValueError:  # the model unknown to the simulator, or not fitting its share of the memory
             continue
     return out
 
 
-def stepfit_section(settings: Settings, points: Sequence[ProfilePoint], gpu_name: str | None) -> str | None:
+def stepfit_section(settings: Settings, points: Sequence[ProfilePoint], fit: HeldOutFit | None) -> str | None:
     """The cross-model step-time model (`sim stepfit`) against this GPU's closed-loop points: the mean step (time
-    per output token) measured and predicted, with constants fitted without this model's own points (held out, as
-    in `sim stepfit`'s table). None where the GPU or the model is unknown to it."""
-    held = heldout_constants(settings, gpu_name)
-    if held is None:
+    per output token) measured and predicted, with `fit`'s constants, fitted without this model's own points (held
+    out, as in `sim stepfit`'s table; `heldout_constants`). None without a fit."""
+    if fit is None:
         return None
     from sim.stepfit import ClosedLoop, closed_loop_step_s, model_spec
 
-    name, constants, origin = held
+    name, constants, origin = fit.model, fit.constants, fit.origin
     spec = model_spec(name)
     rows = []
     for p in sorted(points, key=lambda q: q.batch_size):
@@ -395,8 +416,8 @@ def write(settings: Settings, store: Store) -> Path:
         planned = load(measured_plan)
         b_star, n = b_star_of(planned), len(planned.replicas)
         share = planned.replicas[0].gpu_memory_utilization
-    sims = sim_prediction(settings, machine.get("gpu"), b_star, share, range(1, n + 1)) if b_star else {}
-    held = heldout_constants(settings, machine.get("gpu")) if sims else None
+    fit = heldout_constants(settings, machine.get("gpu"))
+    sims = sim_prediction(settings, fit, b_star, share, range(1, n + 1)) if b_star else {}
     label = f"measured: {settings.model}, {machine.get('gpu') or settings.device}, vLLM {machine.get('vllm', '?')}"
     plot_frontier(profile.points, out / "fig1_frontier.png", label)
     plot_counts(store, sims, out / "fig5_replicas.png")
@@ -404,7 +425,7 @@ def write(settings: Settings, store: Store) -> Path:
     plot_gpu(profile.points, store, settings, out / "fig6_gpu.png")
     frontier_table, frontier_facts = frontier_section(profile.points)
     counts_table, counts_facts = counts_section(store, sims)
-    stepfit = stepfit_section(settings, profile.points, machine.get("gpu"))
+    stepfit = stepfit_section(settings, profile.points, fit)
     calibrated = calibration_section(settings, store)
     cpu = cpu_section(store)
     lines = [f"# Replication on one device: {settings.model}", "",
@@ -430,8 +451,8 @@ def write(settings: Settings, store: Store) -> Path:
              "replicas of OPT-1.3B at batch 256 gave +35% tokens/s over one instance (H100 64 GB, vLLM 0.5.2).", "",
              counts_table, "",
              *([f"Simulator: k replicas at B* each sharing the GPU (`sim`, every request at once), steps priced by "
-                f"the step-time model's constants {held[2]}, without {held[0]}'s own points (the section on it, "
-                "below); vLLM V1's chunked prefill.", ""] if sims and held else []),
+                f"the step-time model's constants {fit.origin}, without {fit.model}'s own points (the section on "
+                "it, below); vLLM V1's chunked prefill.", ""] if sims and fit else []),
              f"- without MPS: {counts_facts['decisions']['plain'] or '-'}",
              f"- with MPS: {counts_facts['decisions']['mps'] or counts_facts['mps_unavailable'] or '-'}", "",
              *(["CPU cores used while each count ran (CPU seconds over wall seconds; a process near 1.0 core per "
