@@ -213,9 +213,9 @@ def decoding(url: str, background: Background, window_s: float) -> tuple[float, 
     return n * took / made * 1e3, made / chunks
 
 
-def measure_loaded(url: str, backgrounds: Sequence[int], reps: int, seed: int = 0,
-                   window_s: float = 1.0) -> list[Loaded]:
-    """`LOADED_SHAPES`, `reps` times each, under each count of background streams, on the replica at `url`."""
+def measure_loaded(url: str, backgrounds: Sequence[int], reps: int, seed: int = 0, window_s: float = 1.0,
+                   shapes: Sequence[str] = LOADED_SHAPES) -> list[Loaded]:
+    """`shapes` (of `SHAPES`), `reps` times each, under each count of background streams, on the replica at `url`."""
     model, max_model_len, rng = warmed_up(url, seed)
     tokens = min(max_model_len or 2048, 2048) - 17
     results = []
@@ -224,7 +224,7 @@ def measure_loaded(url: str, backgrounds: Sequence[int], reps: int, seed: int = 
             time.sleep(0.5)  # past the background's own prefills
             step_ms, per_chunk = decoding(url, background, window_s)
             readings = []
-            for name in LOADED_SHAPES:
+            for name in shapes:
                 readings.append(medians(name, [probe(url, model, SHAPES[name], rng) for _ in range(reps)]))
             background.check()
         results.append(Loaded(n, step_ms, per_chunk, tuple(readings)))

@@ -61,7 +61,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -72,6 +72,7 @@ import yaml
 
 from deploy.process import REPLICA_NICE, probe
 from deploy.tinymodel import ensure_tiny_model
+from sim.cli import UsageError, way_out_arg
 
 from .common import figure_path, machine_speed, save
 from .cpu_twin import cpu_twin
@@ -82,6 +83,8 @@ from .sim_vs_real_report import (CALIBRATIONS, CHAT_POLICIES, DEFAULT, FOLLOWED,
 from .sim_vs_real_steps import decoding_context, matched_scale, run_scale, warmup_scale
 from .sim_vs_real_ttft import COUNTERS as TTFT_COUNTERS
 from .sim_vs_real_ttft import ttft_parts
+from .way_out_probe import WAY_OUT_PROBE, fit_way_out, load, probe_outside, record
+from .way_out_probe import save as save_probe
 
 WORKLOADS: dict[str, list[str]] = {
     "mix": ["--workload", "mix", "--short", "128:32", "--long", "1024:256", "--long-fraction", "0.2"],
@@ -300,7 +303,8 @@ class Setup:
     frontend_on_core: bool = False  # the calibrated replicas' API server on their engine's core (sim.measured)
     frontend_latency: bool = False  # their front end fitted as serial work plus a latency (sim.measured)
     core_work: bool = False  # their requests' work on the engine's core fitted, the steps netted of it
-    way_out: str | None = None  # MS,MS_PER_STREAM: a streamed chunk's way out of the API server (sim calibrate)
+    way_out: str | None = None  # MS,MS_PER_STREAM: a streamed chunk's way out of the API server (sim calibrate),
+    # or PROBE: measured beside the profiles (bench/way_out_probe.py)
     first_seed: int = 0  # the seeds run are first_seed .. first_seed + seeds - 1
     prefill_cost: bool = True  # measure a prefill's cost per attention pair on the first replica (bench.prefill_cost)
 
@@ -378,6 +382,28 @@ def set_scale(urls: Sequence[str], scale: float) -> None:
             resp.read()
 
 
+PROBE = "probe"  # --way-out probe
+
+
+def probed_way_out(out: Path, meta: dict[str, Any], suffix: str, fit_plain: Callable[[Path], str], port: int) -> str:
+    """The way out from the real replica's probe (OUT/WAY_OUT_PROBE) against `sim serve` of the plain calibration
+    (`fit_plain(path)` writes it), probed the same way on `port`: `sim calibrate --way-out`'s figures. Both sides'
+    readings and the fit go to `meta`."""
+    if not (out / WAY_OUT_PROBE).exists():
+        raise RuntimeError(f"--way-out probe: {out / WAY_OUT_PROBE} is missing: it is measured with the profiles "
+                           "(a run whose models were fitted without it needs a new --out)")
+    plain = out / f"replica{suffix}-plain.json"
+    fit_plain(plain)
+    with ExitStack() as stack:
+        urls, _ = serve_sim(stack, str(plain), 1, port, out / f"way-out-probe{suffix}.log")
+        simulated = probe_outside(urls[0])
+    real = load(out / WAY_OUT_PROBE)
+    fit = fit_way_out(real, simulated)
+    meta[f"way_out_probe{suffix}"] = record(real, simulated, fit)
+    print(f"the way out, probed: {fit.ms:.2f} ms + {fit.ms_per_stream:.3f} ms a stream", flush=True)
+    return fit.flag
+
+
 def measure(setup: Setup) -> None:
     out = setup.out
     out.mkdir(parents=True, exist_ok=True)
@@ -414,6 +440,8 @@ def measure(setup: Setup) -> None:
             take_round(0)
             if setup.prefill_cost and not (out / PREFILL_COST).exists():
                 measure_prefill_cost(real[0], out / PREFILL_COST)
+            if setup.way_out == PROBE and not (out / WAY_OUT_PROBE).exists():  # idle, after the prefill cost
+                save_probe(out / WAY_OUT_PROBE, probe_outside(real[0]))
             speed += [machine_speed() for _ in range(3)]
             for calibration in setup.calibrations:
                 meta.setdefault(f"speed_us{suffix(calibration)}", float(np.median(speed)))
@@ -432,18 +460,30 @@ def measure(setup: Setup) -> None:
                     c for c, n in CALIBRATIONS.items() if n == side_name)
                 if f"replica_model{suffix(calibration)}" not in meta:
                     model_path = out / f"replica{suffix(calibration)}.json"
-                    meta[f"calibration{suffix(calibration)}"] = calibrate(
-                        out, setup.profiles, len(real), suffix(calibration),
-                        range(setup.calibration_rounds), base["replicas"][0]["max_num_seqs"], tokenizer, model_path,
-                        setup.frontend_on_core, setup.frontend_latency, setup.core_work, setup.way_out)
+
+                    def fit(path: Path, way_out: str | None) -> str:
+                        return calibrate(out, setup.profiles, len(real), suffix(calibration),
+                                         range(setup.calibration_rounds), base["replicas"][0]["max_num_seqs"],
+                                         tokenizer, path, setup.frontend_on_core, setup.frontend_latency,
+                                         setup.core_work, way_out)
+
+                    way_out = setup.way_out
+                    if way_out == PROBE:
+                        way_out = probed_way_out(out, meta, suffix(calibration), lambda path: fit(path, None),
+                                                 sim_port + 90)
+                    meta[f"calibration{suffix(calibration)}"] = fit(model_path, way_out)
                     meta[f"replica_model{suffix(calibration)}"] = str(model_path)
-                    meta[f"way_out{suffix(calibration)}"] = setup.way_out
+                    meta[f"way_out{suffix(calibration)}"] = way_out
                     meta[f"calibration_rounds{suffix(calibration)}"] = setup.calibration_rounds
                     meta[f"frontend_latency{suffix(calibration)}"] = setup.frontend_latency
                     meta[f"core_work{suffix(calibration)}"] = setup.core_work
                     meta_path.write_text(json.dumps(meta, indent=1))
                 urls, pids = serve_sim(stack, meta[f"replica_model{suffix(calibration)}"], setup.replicas,
                                        sim_port + 10 * k, out / f"{side_name}.log")
+                probed = meta.get(f"way_out_probe{suffix(calibration)}")
+                if probed and "model" not in probed:  # the model with its way out, probed as the plain one was
+                    probed["model"] = [asdict(r) for r in probe_outside(urls[0])]
+                    meta_path.write_text(json.dumps(meta, indent=1))
                 if side_name == MATCHED and "matched_scale" not in meta:
                     meta["matched_scale"] = warmup_scale(list(done.values()), len(real), meta["replica_model_together"])
                     meta_path.write_text(json.dumps(meta, indent=1))
@@ -544,10 +584,12 @@ def main(argv: Sequence[str] | None = None) -> None:
                         "their engine's core for a fitted time each, the steps netted of it and the prefill per "
                         "token as bench.prefill_cost measured it (`sim calibrate --core-work`; needs the prefill "
                         "cost)")
-    parser.add_argument("--way-out", metavar="MS,MS_PER_STREAM", help="calibrate replica models whose streamed "
-                        "chunks take this long from the engine's output to the client, and this much more per other "
-                        "stream the API server sends (`sim calibrate --way-out`; bench.burst_probe --background "
-                        "measures it)")
+    parser.add_argument("--way-out", metavar="MS,MS_PER_STREAM|probe", help="calibrate replica models whose "
+                        "streamed chunks take this long from the engine's output to the client, and this much more "
+                        "per other stream the API server sends (`sim calibrate --way-out`). 'probe': measured after "
+                        "the profiles, as the line through the first real replica's time outside vLLM's TTFT less "
+                        "`sim serve`'s of the plain calibration, beside 0-24 streams (bench/way_out_probe.py, about "
+                        "a minute)")
     parser.add_argument("--prefill-cost", action=argparse.BooleanOptionalAction, help="measure what a prefill's "
                         "attention costs per (query, key) pair on the first real replica, one request at a time "
                         "after the first profiles (bench.prefill_cost, about a minute), and calibrate with it "
@@ -584,6 +626,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     if setup.core_work and (setup.frontend_latency or not setup.prefill_cost):
         parser.error("--core-work takes the prefill per token as measured: it needs the prefill cost (not "
                      "--no-prefill-cost, not --quick without --prefill-cost) and not --frontend-latency")
+    if setup.way_out not in (None, PROBE):
+        try:
+            way_out_arg(setup.way_out)
+        except UsageError as exc:
+            parser.error(f"{exc} (or 'probe')")
     if setup.first_seed < 0 or (setup.first_seed and setup.match_steps):
         parser.error("--first-seed must be >= 0, and 0 with --match-steps (its warm-up is seed 0)")
     if setup.match_steps and ("together" not in setup.calibrations or setup.seeds < 2):

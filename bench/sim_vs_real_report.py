@@ -24,6 +24,7 @@ from .sim_vs_real_ranking import point_of, ranking_lines, verdict_lines
 from .sim_vs_real_rounds import models_lines, rounds_lines
 from .sim_vs_real_steps import speedometer_lines, steps_lines
 from .sim_vs_real_ttft import outside_lines, ttft_lines, twin_lines
+from .way_out_probe import lines as way_out_lines
 
 POLICIES = ("prefix_affinity", "least_outstanding_tokens", "least_requests", "round_robin")
 CHAT_POLICIES = ("prefix_affinity", "consistent_hash", "least_outstanding_tokens", "round_robin")
@@ -212,6 +213,8 @@ def report(out: Path, meta: dict[str, Any]) -> str:
                 lines += models_lines(rows, int(meta["replicas"]), meta[key.replace("calibration", "replica_model")],
                                       round_models(out, meta, suffix))
     lines += prefill_cost_lines(out / PREFILL_COST)
+    probed = meta.get("way_out_probe_together")
+    lines += way_out_lines(probed, probed.get("model") if probed else None)
     lines += repeatability(rows)
     lines += speedometer_lines(rows, int(meta.get("replicas", 2)), meta.get("replica_model_together"),
                                meta.get("speed_us_together"))

@@ -192,7 +192,7 @@ def _calibrate(args: argparse.Namespace) -> None:
     print(format_table(compare(cost), cost))
 
 
-def _way_out(text: str) -> tuple[float, float]:
+def way_out_arg(text: str) -> tuple[float, float]:
     """`--way-out MS,MS_PER_STREAM` in seconds."""
     parts = text.split(",")
     try:
@@ -215,7 +215,7 @@ def _calibrate_profile(args: argparse.Namespace) -> None:
         raise UsageError("--profile needs --out FILE for the replica model")
     given = EngineFacts(args.max_num_seqs, args.max_num_batched_tokens, args.chunked_prefill, args.prefix_caching,
                         args.max_model_len, args.tokenizer, args.served_model_name)
-    way_out = _way_out(args.way_out) if args.way_out else None
+    way_out = way_out_arg(args.way_out) if args.way_out else None
     try:
         model, rows = calibrate(args.profile[0], given, extra=args.profile[1:], frontend_on_core=args.frontend_on_core,
                                 prefill_cost=args.prefill_cost, frontend_latency=args.frontend_latency,

@@ -249,11 +249,18 @@ class FrontEnd:
         sent = now
         if self.stream_s:
             self._free_at = sent = max(now, self._free_at) + self.stream_s
-        if self.out_s or self.out_per_stream_s:
-            others = self._streams(rid) if self._streams is not None else 0
-            sent += self.out_s + self.out_per_stream_s * others
+        sent += self.way_out(rid)
         self._pending[rid] = sent
         return sent
+
+    def way_out(self, rid: int) -> float:
+        """Request `rid`'s output's way out now: the base, and that per other stream the replica is sending. A
+        response sent whole (not streamed) takes it once, after its last token (vLLM sends its API server only
+        the final output of such a request)."""
+        if not (self.out_s or self.out_per_stream_s):
+            return 0.0
+        others = self._streams(rid) if self._streams is not None else 0
+        return self.out_s + self.out_per_stream_s * others
 
     def set_scale(self, scale: float) -> None:
         """Every cost `scale` times the one it was made with (the machine slower or faster than calibrated)."""

@@ -258,9 +258,10 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
     wake = asyncio.Event()
     frontend = state.frontend if parsed.stream and state.frontend is not None and state.frontend.streams_at_cost \
         else None
+    whole = state.frontend if not parsed.stream else None  # a response sent whole takes its way out once
     for choice in choices:
         choice.req.on_token = _on_token(choice, wake, frontend)
-        choice.req.on_finish = _on_finish(choice, wake, frontend)
+        choice.req.on_finish = _on_finish(choice, wake, frontend, whole)
         state.engine.add(choice.req)
     refused = next((c.req.error for c in choices if c.req.error), None)
     if refused:
@@ -329,10 +330,17 @@ def _on_token(choice: _Choice, wake: asyncio.Event, frontend: FrontEnd | None = 
     return on_token
 
 
-def _on_finish(choice: _Choice, wake: asyncio.Event, frontend: FrontEnd | None = None) -> Any:
+def _on_finish(choice: _Choice, wake: asyncio.Event, frontend: FrontEnd | None = None,
+               whole: FrontEnd | None = None) -> Any:
+    """The request is over when its last chunk reaches the stream (`frontend`: a front end that streams at a cost)
+    or, for a response sent whole, after its way out (`whole`'s)."""
     def on_finish(req: SimRequest) -> None:
         if frontend is None:
-            _end(choice, wake)
+            delay = whole.way_out(req.rid) if whole is not None else 0.0
+            if delay > 0:
+                asyncio.get_running_loop().call_later(delay, _end, choice, wake)
+            else:
+                _end(choice, wake)
             return
         loop = asyncio.get_running_loop()
         loop.call_at(max(loop.time(), frontend.until(req.rid)), _end, choice, wake)  # after its last token
