@@ -8,7 +8,9 @@ One command:
    the context): the replicas then contend for the machine's cores as they do under the bench's load; then
    `bench.prefill_cost` on the first replica, one request at a time: what a prefill's attention costs per
    (query, key) pair, so a chat turn's uncached end costs more after a long cached history (`--no-prefill-cost`:
-   not measured, a prefill priced by its tokens alone, as before 2026-11-29);
+   not measured, a prefill priced by its tokens alone, as before 2026-11-29); with `--way-out probe`, then a
+   prompt beside 0-24 streams on that replica and on `sim serve` of the plain calibration: the API server's way
+   out, as the calibration takes it (bench/way_out_probe.py);
 3. `sim calibrate --profile` fits a replica model to the first replica's profiles; `sim serve --config` starts N
    replicas imitating it: the simulated side "sim-together". `--calibrations isolated,together` adds a side "sim"
    calibrated from the first replica profiled alone (the way before 2026-11-26: 29% median error in TTFT p50
@@ -382,7 +384,14 @@ def set_scale(urls: Sequence[str], scale: float) -> None:
             resp.read()
 
 
-PROBE = "probe"  # --way-out probe
+PROBE, NO_WAY_OUT = "probe", "none"  # --way-out probe, --way-out none
+
+
+def resolved_way_out(flag: str | None, quick: bool) -> str | None:
+    """`--way-out` as the setup takes it: given figures or PROBE; None for none (and unset with --quick)."""
+    if flag is None:
+        return None if quick else PROBE
+    return None if flag == NO_WAY_OUT else flag
 
 
 def probed_way_out(out: Path, meta: dict[str, Any], suffix: str, fit_plain: Callable[[Path], str], port: int) -> str:
@@ -584,12 +593,12 @@ def main(argv: Sequence[str] | None = None) -> None:
                         "their engine's core for a fitted time each, the steps netted of it and the prefill per "
                         "token as bench.prefill_cost measured it (`sim calibrate --core-work`; needs the prefill "
                         "cost)")
-    parser.add_argument("--way-out", metavar="MS,MS_PER_STREAM|probe", help="calibrate replica models whose "
+    parser.add_argument("--way-out", metavar="probe|MS,MS_PER_STREAM|none", help="calibrate replica models whose "
                         "streamed chunks take this long from the engine's output to the client, and this much more "
-                        "per other stream the API server sends (`sim calibrate --way-out`). 'probe': measured after "
-                        "the profiles, as the line through the first real replica's time outside vLLM's TTFT less "
-                        "`sim serve`'s of the plain calibration, beside 0-24 streams (bench/way_out_probe.py, about "
-                        "a minute)")
+                        "per other stream the API server sends (`sim calibrate --way-out`). probe (the default; "
+                        "--quick: none): measured after the profiles, as the line through the first real replica's "
+                        "time outside vLLM's TTFT less `sim serve`'s of the plain calibration, beside 0-24 streams "
+                        "(bench/way_out_probe.py, about a minute); none: no way out, as before 2026-12-01")
     parser.add_argument("--prefill-cost", action=argparse.BooleanOptionalAction, help="measure what a prefill's "
                         "attention costs per (query, key) pair on the first real replica, one request at a time "
                         "after the first profiles (bench.prefill_cost, about a minute), and calibrate with it "
@@ -621,7 +630,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                     repeats=repeats, follow_speed=args.follow_speed, calibration_rounds=args.calibration_rounds,
                     match_steps=args.match_steps, pair_steps=args.pair_steps, cpu_twin=args.cpu_twin,
                     frontend_on_core=args.frontend_on_core, frontend_latency=args.frontend_latency,
-                    core_work=args.core_work, way_out=args.way_out, first_seed=args.first_seed,
+                    core_work=args.core_work, way_out=resolved_way_out(args.way_out, args.quick),
+                    first_seed=args.first_seed,
                     prefill_cost=args.prefill_cost if args.prefill_cost is not None else not args.quick)
     if setup.core_work and (setup.frontend_latency or not setup.prefill_cost):
         parser.error("--core-work takes the prefill per token as measured: it needs the prefill cost (not "
@@ -630,7 +640,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         try:
             way_out_arg(setup.way_out)
         except UsageError as exc:
-            parser.error(f"{exc} (or 'probe')")
+            parser.error(f"{exc} (or probe, or none)")
     if setup.first_seed < 0 or (setup.first_seed and setup.match_steps):
         parser.error("--first-seed must be >= 0, and 0 with --match-steps (its warm-up is seed 0)")
     if setup.match_steps and ("together" not in setup.calibrations or setup.seeds < 2):

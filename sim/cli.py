@@ -229,6 +229,7 @@ def _calibrate_profile(args: argparse.Namespace) -> None:
 
 async def serve_measured(model: ReplicaModel, replicas: int, port: int, host: str, seed: int) -> None:
     """Replicas imitating a calibrated real one, until SIGINT/SIGTERM."""
+    from .measured import FrontEnd
     from .node import MeasuredSpec
     from .server import HFCoder, make_app
 
@@ -236,8 +237,7 @@ async def serve_measured(model: ReplicaModel, replicas: int, port: int, host: st
     _, _, engines = MeasuredSpec(model, replicas).build(LoopClock(asyncio.get_running_loop()))
     announce = (f"{replicas} replica(s) imitating {model.model_name} ({model.source.get('profile', '?')}) at "
                 f"http://{host}:{port}..{port + replicas - 1}")
-    apps = [make_app(engine, model.model_name, seed + i, coder, model.frontend_s, model.stream_s,
-                     model.frontend_latency_s, model.frontend_core_s, (model.way_out_s, model.way_out_per_stream_s))
+    apps = [make_app(engine, model.model_name, seed + i, coder, FrontEnd.of_model(engine, model))
             for i, engine in enumerate(engines)]
     await serve_until_stopped(apps, host, port, announce)
 

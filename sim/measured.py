@@ -226,6 +226,11 @@ class FrontEnd:
                       (model.way_out_s, model.way_out_per_stream_s))
 
     @property
+    def costs(self) -> bool:
+        """Whether it costs anything at all (else a request reaches the engine, and a token its client, at once)."""
+        return any(self._base)
+
+    @property
     def streams_at_cost(self) -> bool:
         """Whether a streamed token reaches its client later than the engine made it."""
         return bool(self.stream_s or self.out_s or self.out_per_stream_s)

@@ -513,16 +513,11 @@ async def speed(request: web.Request) -> web.Response:
 
 
 def make_app(engine: Engine, model_name: str, seed: int | None = None, coder: Coder | None = None,
-             frontend_s: float = 0.0, stream_s: float = 0.0, frontend_latency_s: float = 0.0,
-             frontend_core_s: float = 0.0, way_out: tuple[float, float] = (0.0, 0.0)) -> web.Application:
-    """One simulated replica's aiohttp application (`frontend_s`, `stream_s`: its API server's cost per request
-    and per streamed chunk, `FrontEnd.of` the engine: on its core where the engine's step is;
-    `frontend_latency_s`: time to the engine that requests spend side by side; `frontend_core_s`: a request's further
-    work on the engine's core; `way_out`: a streamed chunk's latency to its client, and that per other stream; see
-    `ReplicaModel`)."""
+             frontend: FrontEnd | None = None) -> web.Application:
+    """One simulated replica's aiohttp application; `frontend`: its API server's costs (`FrontEnd.of_model` of the
+    engine and its `ReplicaModel`; none: a request reaches the engine, and a token its client, at once)."""
     app = web.Application()
-    frontend = (FrontEnd.of(engine, frontend_s, stream_s, frontend_latency_s, frontend_core_s, way_out)
-                if frontend_s or stream_s or frontend_latency_s or frontend_core_s or any(way_out) else None)
+    frontend = frontend if frontend is not None and frontend.costs else None
     app[STATE] = ReplicaState(engine, model_name, random.Random(seed), coder=coder, frontend=frontend,
                               token_text=token_text(coder))
     app.router.add_post("/v1/completions", completions)

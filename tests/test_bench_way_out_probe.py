@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from bench.sim_vs_real import main as sim_vs_real
-from bench.sim_vs_real import serve_sim
+from bench.sim_vs_real import resolved_way_out, serve_sim
 from bench.way_out_probe import Outside, WayOut, fit_way_out, lines, load, probe_outside, record, save
 from deploy.ports import free_ports
 from sim.measured import ReplicaModel
@@ -67,13 +67,16 @@ def test_a_model_given_a_way_out_probes_as_that_way_out_against_the_same_model_w
     assert fit.ms_per_stream == pytest.approx(1.5, abs=0.6)
 
 
-def test_sim_vs_real_takes_figures_or_probe_and_names_the_format_otherwise(capsys: pytest.CaptureFixture[str]
-                                                                           ) -> None:
+def test_sim_vs_real_probes_the_way_out_unless_told_and_names_the_format_otherwise(
+        capsys: pytest.CaptureFixture[str]) -> None:
     for bad in ("1.6", "1.6,x", "-1,0.5", "measure"):
         with pytest.raises(SystemExit) as exc:
             sim_vs_real(["--way-out", bad, "--dry-run"])
         assert exc.value.code == 2
-        assert "--way-out takes MS,MS_PER_STREAM" in capsys.readouterr().err or bad == "-1,0.5"
-    for good in ("probe", "1.6,0.5"):
+        err = capsys.readouterr().err
+        assert "--way-out " in err and "(or probe, or none)" in err
+    for good in ("probe", "1.6,0.5", "none"):
         sim_vs_real(["--way-out", good, "--dry-run", "--seeds", "1", "--workloads", "mix", "--chat-rates", ""])
         assert "runs of 15 s of schedule" in capsys.readouterr().out
+    assert resolved_way_out(None, quick=False) == "probe" and resolved_way_out(None, quick=True) is None
+    assert resolved_way_out("none", quick=False) is None and resolved_way_out("1.6,0.5", quick=True) == "1.6,0.5"

@@ -18,7 +18,7 @@ from planner.sources import write_point
 from sim.clock import LoopClock
 from sim.fleet import capacity, saturation_sample
 from sim.fromprofile import CalibrationError, EngineFacts, calibrate, replay, replay_point, step_of
-from sim.measured import ConfigError, MeasuredStepTime, ReplicaModel
+from sim.measured import ConfigError, FrontEnd, MeasuredStepTime, ReplicaModel
 from sim.node import MeasuredSpec, Node
 from sim.server import make_app
 from sim.workload import RequestSpec
@@ -150,7 +150,7 @@ async def test_a_served_replica_model_streams_at_its_measured_pace(aiohttp_serve
     front end off the engine's core or on it: the engine idle, the same)."""
     model = replace(TRUE, frontend_on_core=on_core)
     node = Node(MeasuredSpec(model, 1), LoopClock(asyncio.get_running_loop()))
-    server = await aiohttp_server(make_app(node.engines[0], "m", 0, None, model.frontend_s))
+    server = await aiohttp_server(make_app(node.engines[0], "m", 0, None, FrontEnd.of_model(node.engines[0], model)))
     body = {"model": "m", "prompt": "abcd" * 256, "max_tokens": 8, "stream": True, "ignore_eos": True}
     async with aiohttp.ClientSession() as session:
         loop = asyncio.get_running_loop()
@@ -184,7 +184,6 @@ def test_sim_calibrate_and_serve_command_lines(tmp_path: Path) -> None:
 
 def test_the_front_end_is_a_queue_one_request_at_a_time() -> None:
     """Requests arriving together reach the engine service_s apart; an idle front end passes one at once."""
-    from sim.measured import FrontEnd
 
     front = FrontEnd(0.01)
     assert [round(front.admit(1.0), 6) for _ in range(3)] == [1.01, 1.02, 1.03]
@@ -194,7 +193,6 @@ def test_the_front_end_is_a_queue_one_request_at_a_time() -> None:
 def test_a_busy_front_end_merges_a_requests_waiting_tokens_into_one_chunk() -> None:
     """Each chunk costs stream_s of the one front end; a token made while its request's chunk still waits joins
     it for nothing; intake queues behind the chunks; a front end that streams for free passes tokens at once."""
-    from sim.measured import FrontEnd
 
     front = FrontEnd(0.01, stream_s=0.002)
     assert front.deliver(1.0, rid=1) == pytest.approx(1.002)
@@ -211,7 +209,6 @@ def test_a_busy_front_end_merges_a_requests_waiting_tokens_into_one_chunk() -> N
 def test_a_front_ends_latency_is_spent_side_by_side() -> None:
     """Requests arriving together queue for the serial work alone; each then takes the latency on its own, so the
     third reaches the engine 3 x 10 ms + 50 ms after arriving, not 3 x 60 ms; scaling the machine scales it too."""
-    from sim.measured import FrontEnd
 
     front = FrontEnd(0.01, latency_s=0.05)
     assert [round(front.admit(1.0), 6) for _ in range(3)] == [1.06, 1.07, 1.08]
@@ -269,7 +266,7 @@ async def test_a_served_replica_behind_a_busy_front_end_streams_several_tokens_a
     """`sim serve` with a cost per chunk above the step time: fewer chunks than tokens, all tokens there."""
     model = replace(STREAMING, stream_s=0.006)  # 3 steps of 2 ms per chunk
     node = Node(MeasuredSpec(model, 1), LoopClock(asyncio.get_running_loop()))
-    server = await aiohttp_server(make_app(node.engines[0], "m", 0, None, model.frontend_s, model.stream_s))
+    server = await aiohttp_server(make_app(node.engines[0], "m", 0, None, FrontEnd.of_model(node.engines[0], model)))
     body = {"model": "m", "prompt": "abcd" * 64, "max_tokens": 24, "stream": True, "ignore_eos": True,
             "stream_options": {"include_usage": True}}
     texts, usage = [], None
@@ -359,7 +356,6 @@ def test_a_front_end_on_the_engines_core_has_it_first_and_the_step_waits() -> No
     and 8 ms, one at a time, as without a core; intake queued for later blocks the core only then."""
     from sim.clock import VirtualClock
     from sim.device import SharedDevice
-    from sim.measured import FrontEnd
 
     clock = VirtualClock()
     core = SharedDevice(clock)
@@ -382,7 +378,6 @@ def test_a_requests_further_core_work_holds_the_core_and_the_next_request_not_it
     takes it only with its front end on the core, and keeps it through JSON."""
     from sim.clock import VirtualClock
     from sim.device import SharedDevice
-    from sim.measured import FrontEnd
 
     clock = VirtualClock()
     core = SharedDevice(clock)
@@ -453,7 +448,6 @@ def test_a_burst_slows_the_steps_of_a_replica_whose_front_end_shares_its_core() 
     def finish(model: ReplicaModel) -> tuple[float, list[float]]:
         from sim.clock import VirtualClock
         from sim.engine import SimRequest
-        from sim.measured import FrontEnd
 
         clock = VirtualClock()
         engine = Node(MeasuredSpec(model, 1), clock).engines[0]
@@ -480,7 +474,6 @@ def test_a_chunks_way_out_grows_with_the_other_streams_and_keeps_a_requests_orde
     """Each chunk reaches its client way_out_s + way_out_per_stream_s x (the other streams) after the engine made
     it, on no queue; a later token never overtakes an earlier one of the same request; scaling the machine scales
     it. Without a way out (or a stream cost) tokens pass at once."""
-    from sim.measured import FrontEnd
 
     others = {1: 4, 2: 0}
     front = FrontEnd(0.01, way_out=(0.002, 0.0005), streams=lambda rid: others[rid])
@@ -534,7 +527,8 @@ async def test_a_served_replica_sends_its_first_token_later_by_its_way_out(aioht
     ttfts = []
     for way_out in ((0.0, 0.0), (0.03, 0.0)):
         engine = Node(MeasuredSpec(model, 1), LoopClock(asyncio.get_running_loop())).engines[0]
-        server = await aiohttp_server(make_app(engine, "m", frontend_s=model.frontend_s, way_out=way_out))
+        frontend = FrontEnd.of(engine, model.frontend_s, way_out=way_out)
+        server = await aiohttp_server(make_app(engine, "m", frontend=frontend))
         body = {"model": "m", "prompt": [1, 2], "max_tokens": 4, "ignore_eos": True, "stream": True}
         async with aiohttp.ClientSession() as session:
             start = time.perf_counter()

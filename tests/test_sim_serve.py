@@ -22,7 +22,7 @@ from deploy.ports import free_ports
 from sim.clock import LoopClock
 from sim.gpus import get_gpu
 from sim.model import load_model
-from sim.measured import MeasuredStepTime, ReplicaModel
+from sim.measured import FrontEnd, MeasuredStepTime, ReplicaModel
 from sim.node import MeasuredSpec, Node, NodeSpec
 from sim.server import make_app
 from tests.conftest import GatewayFactory
@@ -238,7 +238,8 @@ async def test_a_measured_replica_runs_at_the_speed_it_is_set_to(aiohttp_server:
     node = Node(MeasuredSpec(model, 2), LoopClock(asyncio.get_running_loop()))
     urls = []
     for i, engine in enumerate(node.engines):
-        server: TestServer = await aiohttp_server(make_app(engine, "m", seed=i, frontend_s=model.frontend_s))
+        app = make_app(engine, "m", seed=i, frontend=FrontEnd.of_model(engine, model))
+        server: TestServer = await aiohttp_server(app)
         urls.append(str(server.make_url("")).rstrip("/"))
     async with aiohttp.ClientSession() as session:
         async def timed(url: str) -> float:
