@@ -71,7 +71,7 @@ def test_sim_vs_real_probes_the_way_out_unless_told_and_names_the_format_otherwi
         capsys: pytest.CaptureFixture[str]) -> None:
     for bad in ("1.6", "1.6,x", "-1,0.5", "measure"):
         with pytest.raises(SystemExit) as exc:
-            sim_vs_real(["--way-out", bad, "--dry-run"])
+            sim_vs_real([f"--way-out={bad}", "--dry-run"])
         assert exc.value.code == 2
         err = capsys.readouterr().err
         assert "--way-out " in err and "(or probe, or none)" in err
