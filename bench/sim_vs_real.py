@@ -8,9 +8,9 @@ One command:
    the context): the replicas then contend for the machine's cores as they do under the bench's load; then
    `bench.prefill_cost` on the first replica, one request at a time: what a prefill's attention costs per
    (query, key) pair, so a chat turn's uncached end costs more after a long cached history (`--no-prefill-cost`:
-   not measured, a prefill priced by its tokens alone, as before 2026-11-29); with `--way-out probe`, then a
-   prompt beside 0-24 streams on that replica and on `sim serve` of the plain calibration: the API server's way
-   out, as the calibration takes it (bench/way_out_probe.py);
+   not measured, a prefill priced by its tokens alone, as before 2026-11-29); then (unless `--way-out none` or
+   `--quick`) a prompt beside 0-24 streams on that replica and on `sim serve` of the plain calibration: the API
+   server's way out, as the calibration takes it (bench/way_out_probe.py);
 3. `sim calibrate --profile` fits a replica model to the first replica's profiles; `sim serve --config` starts N
    replicas imitating it: the simulated side "sim-together". `--calibrations isolated,together` adds a side "sim"
    calibrated from the first replica profiled alone (the way before 2026-11-26: 29% median error in TTFT p50
@@ -598,7 +598,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                         "per other stream the API server sends (`sim calibrate --way-out`). probe (the default; "
                         "--quick: none): measured after the profiles, as the line through the first real replica's "
                         "time outside vLLM's TTFT less `sim serve`'s of the plain calibration, beside 0-24 streams "
-                        "(bench/way_out_probe.py, about a minute); none: no way out, as before 2026-12-01")
+                        "(bench/way_out_probe.py, about a minute); none: no way out, as before 2026-11-30")
     parser.add_argument("--prefill-cost", action=argparse.BooleanOptionalAction, help="measure what a prefill's "
                         "attention costs per (query, key) pair on the first real replica, one request at a time "
                         "after the first profiles (bench.prefill_cost, about a minute), and calibrate with it "
