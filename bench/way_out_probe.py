@@ -26,6 +26,7 @@ from .common import markdown_table
 
 BACKGROUNDS = (0, 4, 8, 16, 24)  # streams beside the probe
 SHAPE = "1 x 128"  # bench.burst_probe's shape probed
+REPS = 7  # probes at each count of streams (their medians are read)
 WAY_OUT_PROBE = "way_out_probe.json"  # the real replica's readings, in bench.sim_vs_real's folder
 
 
@@ -56,7 +57,7 @@ class WayOut:
         return f"{self.ms:.3f},{self.ms_per_stream:.4f}"
 
 
-def probe_outside(url: str, backgrounds: Sequence[int] = BACKGROUNDS, reps: int = 7, seed: int = 0,
+def probe_outside(url: str, backgrounds: Sequence[int] = BACKGROUNDS, reps: int = REPS, seed: int = 0,
                   window_s: float = 0.5) -> list[Outside]:
     """`SHAPE` beside each count of `backgrounds` streams on the replica at `url` (idle but for them); `window_s`:
     `bench.burst_probe`'s reading of the steps before each count's probes (not kept here)."""
@@ -100,20 +101,21 @@ def lines(probed: dict[str, Any] | None, modelled: Sequence[dict[str, Any]] | No
     calibration and (where `modelled`) the model with the fitted way out, and the fit; `probed` as `record` wrote it."""
     if not probed:
         return []
-    real, plain = probed["real"], probed["plain"]
-    model = {r["background"]: r for r in modelled or []}
+    real, plain = ([Outside(**r) for r in probed[side]] for side in ("real", "plain"))
+    model = {r.background: r for r in (Outside(**m) for m in modelled or [])}
     fit = probed["fit"]
 
-    def out(r: dict[str, Any] | None) -> str:
-        return f"{r['client_ttft_ms'] - r['ttft_ms']:.1f}" if r else ""
+    def out(r: Outside | None) -> str:
+        return f"{r.outside_ms:.1f}" if r else ""
 
-    body = [[r["background"], f"{r['client_ttft_ms']:.1f}", out(r), out(p), out(model.get(r["background"]))]
+    body = [[r.background, f"{r.client_ttft_ms:.1f}", out(r), out(p), out(model.get(r.background))]
             for r, p in zip(real, plain)]
     return ["## The way out of the API server, probed beside the profiles (`--way-out probe`)", "",
-            f"A prompt of 128 token ids beside N streams (`bench.burst_probe --background`), on the idle first real "
-            "replica after the profiles and on `sim serve` of the plain calibration, the same way; medians of 7 "
-            "reps, in ms. Outside: the client's TTFT less vLLM's own. The simulator's way out is the line through "
-            f"real less plain: **{fit['ms']:.2f} ms + {fit['ms_per_stream']:.3f} ms a stream**, taken as given "
-            "by the calibration"
+            f"A prompt of {SHAPE.split(' x ')[1]} token ids beside N streams (`bench.burst_probe --background`), on "
+            "the idle first real replica after the profiles and on `sim serve` of the plain calibration, the same "
+            f"way; medians of {REPS} reps, in ms. Outside: the client's TTFT less vLLM's own. The simulator's way "
+            f"out is the line through real less plain: **{fit['ms']:.2f} ms + {fit['ms_per_stream']:.3f} ms a "
+            "stream**, taken as given by the calibration"
             + (" (the last column: `sim serve` of the model with it, probed the same way)." if model else "."), "",
-            markdown_table(["streams", "real client TTFT", "outside, real", "plain model", "with the way out"], body), ""]
+            markdown_table(["streams", "real client TTFT", "outside, real", "plain model", "with the way out"],
+                           body), ""]
