@@ -63,8 +63,10 @@ async def test_a_point_past_100_requests_holds_them_all_at_the_replica(aiohttp_s
     """B=160: all 160 reach the fake at once, every /metrics scrape is answered meanwhile, and the client's own
     CPU is read. aiohttp's default session holds 100 connections: the profiles of 2026-11-26..29 kept 100 requests
     at the replica at "B = 256" and timed the other 156's wait for a connection as their TTFT
-    (planner.client.load_session)."""
-    server = await aiohttp_server(make_app(FakeBehavior(ttft_s=0.6, itl_s=0.005)))
+    (planner.client.load_session). The fake's first token takes 1 s, so that the batch's ramp and tail, whose length
+    is the client's (its CPU, under the rest of the machine's load: a mean of 95 with 0.6 s, once), stay a small part
+    of the point."""
+    server = await aiohttp_server(make_app(FakeBehavior(ttft_s=1.0, itl_s=0.005)))
     url = str(server.make_url("")).rstrip("/")
     point = await profiler(tmp_path, url, num_requests=320, warmup_requests=0).measure(url, 160)
     assert server.app[STATS].max_running == 160
