@@ -161,7 +161,7 @@ def measure(run: Run, setup: Setup, base: dict[str, Any], replicas: Sequence[str
     with fleet(base, replicas, run, setup, directory) as procs:
         hosts = [f"http://127.0.0.1:{setup.port + g}" for g in range(len(procs))]
         before = counters(replicas, HITS)
-        argv = [python(), "-m", "loadtest.cli", "run", "--model", MODEL, "--out", str(out),
+        argv = [python(), "-m", "loadtest.cli", "run", "--model", MODEL, "--out", str(out), "--no-plots",
                 *(a for h in hosts for a in ("--host", h)), *CHAT, "--chat-hosts", "turn", "--arrival", "poisson",
                 "--rate", f"{setup.rate:g}", "--duration", f"{setup.duration:g}", "--seed", str(run.seed),
                 "--prompt-salt", str(hash_text(run.name)), "--tokenizer", tokenizer]

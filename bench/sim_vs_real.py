@@ -163,8 +163,8 @@ def engine_steps(before: dict[str, float], after: dict[str, float], records: Seq
 
 
 def loadtest(args: Sequence[str], out: Path, timeout_s: float) -> dict[str, Any]:
-    """`loadtest run ... --out out`; its summary."""
-    argv = [python(), "-m", "loadtest.cli", "run", "--model", MODEL, "--out", str(out), *args]
+    """`loadtest run ... --out out --no-plots`; its summary (`loadtest report OUT` draws a run's plots)."""
+    argv = [python(), "-m", "loadtest.cli", "run", "--model", MODEL, "--out", str(out), "--no-plots", *args]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s)
     if done.returncode != 0:
         raise RuntimeError(f"loadtest failed ({done.returncode}): {done.stderr[-2000:]}")

@@ -4,6 +4,9 @@
     loadtest compare --target gw=URL --target rr=URL1,URL2 --model M ... --out runs/cmp
     loadtest report runs/p5           # recompute summary, table and plots from a run's records
     loadtest locustfile               # the locustfile's path, for `locust -f` and its web UI
+
+`--no-plots` leaves the PNGs out of a run (matplotlib's import and three figures: 2-3 s a run on a 2-core VM);
+`loadtest report` draws them later.
 """
 
 from __future__ import annotations
@@ -19,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 from loadtest.config import LoadConfig, add_arguments, config_from_dict, config_from_options, split_hosts
-from loadtest.plots import latency_cdfs, per_replica, write_run_plots
 from loadtest.records import RequestRecord
 from loadtest.report import RunInfo, summarize
 from loadtest.runner import LOCUSTFILE, RunFailed, locust_command, read_output, run_locust
@@ -54,6 +56,8 @@ def _parser() -> argparse.ArgumentParser:
 def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, metavar="DIR", help="output directory")
     parser.add_argument("--dry-run", action="store_true", help="print the schedule's size and the commands only")
+    parser.add_argument("--no-plots", dest="plots", action="store_false",
+                        help="write no PNGs (`loadtest report DIR` draws them from the records later)")
     add_arguments(parser)
 
 
@@ -85,14 +89,17 @@ def run_info(config: LoadConfig, schedule: list[float] | None) -> RunInfo:
                    bursts_s=tuple(bursts_of(config.arrival)), burst_period_s=config.arrival.burst_period)
 
 
-def report_run(config: LoadConfig, records: list[RequestRecord], out: Path) -> dict[str, Any]:
-    """Write summary.json and the plots of one run; return the summary."""
+def report_run(config: LoadConfig, records: list[RequestRecord], out: Path, plots: bool = True) -> dict[str, Any]:
+    """Write summary.json and (unless not `plots`) the plots of one run; return the summary."""
     schedule = schedule_of(config)
     info = run_info(config, schedule)
     summary = summarize(records, info)
     (out / SUMMARY_FILE).write_text(json.dumps({**summary, "config": asdict(config)}, indent=2) + "\n",
                                     encoding="utf-8")
-    write_run_plots(records, out, schedule, info.bursts_s)
+    if plots:
+        from loadtest.plots import write_run_plots  # matplotlib: imported only where something is drawn
+
+        write_run_plots(records, out, schedule, info.bursts_s)
     return summary
 
 
@@ -108,19 +115,20 @@ def _dry_run(config: LoadConfig, out: Path, prefix: str = "") -> None:
     print(f"{prefix}{_describe(config)}\n  {shlex.join(locust_command(config, out))}")
 
 
-def cmd_run(config: LoadConfig, out: Path, dry_run: bool) -> int:
+def cmd_run(config: LoadConfig, out: Path, dry_run: bool, plots: bool = True) -> int:
     if dry_run:
         _dry_run(config, out)
         return 0
     print(f"loadtest: {_describe(config)} (log: {out / 'locust.log'})", file=sys.stderr)
     result = run_locust(config, out)
-    summary = report_run(config, result.records, out)
+    summary = report_run(config, result.records, out, plots)
     print(format_table([summary]))
-    print(f"results in {out}/: {SUMMARY_FILE}, records.jsonl, locust_*.csv, locust.html, *.png")
+    print(f"results in {out}/: {SUMMARY_FILE}, records.jsonl, locust_*.csv, locust.html{', *.png' if plots else ''}")
     return 0
 
 
-def cmd_compare(config: LoadConfig, targets: dict[str, tuple[str, ...]], out: Path, dry_run: bool) -> int:
+def cmd_compare(config: LoadConfig, targets: dict[str, tuple[str, ...]], out: Path, dry_run: bool,
+                plots: bool = True) -> int:
     # Same schedule and lengths everywhere, other prompt text per target: targets that share replicas must not
     # find each other's prompts in the prefix cache.
     runs = {name: replace(config, hosts=hosts, out_dir=str(out / name),
@@ -135,12 +143,15 @@ def cmd_compare(config: LoadConfig, targets: dict[str, tuple[str, ...]], out: Pa
         print(f"loadtest: {name}: {_describe(each)}", file=sys.stderr)
         result = run_locust(each, out / name)
         records[name] = result.records
-        summaries[name] = report_run(each, result.records, out / name)
+        summaries[name] = report_run(each, result.records, out / name, plots)
     (out / "compare.json").write_text(json.dumps(summaries, indent=2) + "\n", encoding="utf-8")
-    latency_cdfs(records, out / "compare_latency_cdf.png")
-    per_replica(records, out / "compare_replicas.png")
+    if plots:
+        from loadtest.plots import latency_cdfs, per_replica
+
+        latency_cdfs(records, out / "compare_latency_cdf.png")
+        per_replica(records, out / "compare_replicas.png")
     print(format_table(list(summaries.values()), list(summaries)))
-    print(f"results in {out}/: compare.json, compare_*.png, and one directory per target")
+    print(f"results in {out}/: compare.json{', compare_*.png' if plots else ''}, and one directory per target")
     return 0
 
 
@@ -178,8 +189,8 @@ def _dispatch(args: argparse.Namespace) -> int:
     else:
         build_workload(config.workload)
     if args.command == "run":
-        return cmd_run(config, out, args.dry_run)
-    return cmd_compare(config, targets, out, args.dry_run)
+        return cmd_run(config, out, args.dry_run, args.plots)
+    return cmd_compare(config, targets, out, args.dry_run, args.plots)
 
 
 if __name__ == "__main__":

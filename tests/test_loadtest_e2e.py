@@ -145,11 +145,12 @@ def test_open_loop_rate_holds_while_responses_are_slow(gateway: str, slow_replic
 
 def test_closed_loop_round_robin_reports_failures_with_their_reasons(tmp_path: Path) -> None:
     """Client-side round-robin over a healthy, a mid-stream-dying and a refusing replica, closed loop:
-    a third completes and the others fail with their reasons, in the summary and Locust's CSV."""
+    a third completes and the others fail with their reasons, in the summary and Locust's CSV. With
+    --no-plots the run draws no PNG; `loadtest report` draws them from its records afterwards."""
     with _fake("--itl", "0.01") as good, _fake("--fail", "die_midstream") as dying, _fake("--fail", "refuse") as busy:
         _loadtest("run", "--host", f"{good},{dying}", "--host", busy, "--model", "fake-model", "--mode", "closed",
                   "--concurrency", "4", "--num-requests", "12", "--input-len", "8", "--output-len", "10",
-                  "--out", str(tmp_path))
+                  "--no-plots", "--out", str(tmp_path))
         assert [len(_stats(url)["arrivals"]) for url in (good, dying, busy)] == [4, 4, 4]
         assert _stats(good)["max_running"] <= 4
 
@@ -161,6 +162,10 @@ def test_closed_loop_round_robin_reports_failures_with_their_reasons(tmp_path: P
     assert summary["offered_rate"] is None and summary["max_in_flight"] <= 4
     failures = (tmp_path / "locust_failures.csv").read_text()
     assert "HTTP 503: overloaded" in failures and "connection broken mid-stream" in failures
+    assert not list(tmp_path.glob("*.png"))
+    _loadtest("report", str(tmp_path))
+    assert sorted(p.name for p in tmp_path.glob("*.png")) == ["latency_cdf.png", "over_time.png", "replicas.png"]
+    assert json.loads((tmp_path / "summary.json").read_text())["failure_reasons"] == summary["failure_reasons"]
 
 
 def test_multi_turn_chats_carry_their_history_and_stay_on_one_replica(gateway: str, slow_replicas: list[str],
