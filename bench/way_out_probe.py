@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from .burst_probe import measure_loaded
+from .burst_probe import SHAPES, measure_loaded
 from .common import markdown_table
 
 BACKGROUNDS = (0, 4, 8, 16, 24)  # streams beside the probe
@@ -111,7 +111,7 @@ def lines(probed: dict[str, Any] | None, modelled: Sequence[dict[str, Any]] | No
     body = [[r.background, f"{r.client_ttft_ms:.1f}", out(r), out(p), out(model.get(r.background))]
             for r, p in zip(real, plain)]
     return ["## The way out of the API server, probed beside the profiles (`--way-out probe`)", "",
-            f"A prompt of {SHAPE.split(' x ')[1]} token ids beside N streams (`bench.burst_probe --background`), on "
+            f"A prompt of {SHAPES[SHAPE][0]} token ids beside N streams (`bench.burst_probe --background`), on "
             "the idle first real replica after the profiles and on `sim serve` of the plain calibration, the same "
             f"way; medians of {REPS} reps, in ms. Outside: the client's TTFT less vLLM's own. The simulator's way "
             f"out is the line through real less plain: **{fit['ms']:.2f} ms + {fit['ms_per_stream']:.3f} ms a "
