@@ -6,7 +6,8 @@ many seeds pooled (`bench.policy_verdict`), is the default's p99 TTFT over each 
 This bench gives the simulator the same question with as many seeds as wanted, in virtual time:
 
 - the same schedules the real runs sent: `bench.sim_vs_real`'s workloads, built by the load generator's own
-  code (`loadtest.config`, seeded arrivals and lengths), 12 s of Poisson arrivals at 50/80/95% of capacity;
+  code (`loadtest.config`, seeded arrivals and lengths), 12 s of Poisson arrivals (or bursts: `--arrivals
+  poisson,gamma`) at 50/80/95% of capacity;
 - capacity measured as the real side measured it: closed loop, 64 in flight, 320 requests;
 - two replicas of a calibrated replica model (`sim calibrate --profile`) behind the gateway's own policy code,
   with deploy's gateway config (`max_num_seqs` requests a replica, then the admission queue) and the gateway's
@@ -47,7 +48,7 @@ from sim.workload import RequestSpec
 
 from .common import markdown_table
 from .policy_verdict import Ratio, paired_ratios
-from .sim_vs_real import WORKLOADS
+from .sim_vs_real import ARRIVALS, WORKLOADS
 from .sim_vs_real_report import DEFAULT, POLICIES, done_runs
 from .sim_vs_real_ranking import point_of
 
@@ -67,9 +68,11 @@ def requests(config: LoadConfig, n: int) -> list[RequestSpec]:
     return [RequestSpec(s.prompt_tokens, s.max_tokens) for s in (workload.request(i) for i in range(n))]
 
 
-def schedule(workload: str, rate: float, duration: float, seed: int) -> tuple[np.ndarray, list[RequestSpec]]:
-    """Send times and lengths of the open-loop run `loadtest run --rate R --duration D --seed S` would send."""
-    config = load_config(workload, ["--arrival", "poisson", "--rate", f"{rate:.4f}", "--duration", f"{duration:g}",
+def schedule(workload: str, rate: float, duration: float, seed: int,
+             arrival: str = "poisson") -> tuple[np.ndarray, list[RequestSpec]]:
+    """Send times and lengths of the open-loop run `bench.sim_vs_real` sends at this point: `loadtest run` with the
+    arrival process's options, `--rate R --duration D --seed S`."""
+    config = load_config(workload, [*ARRIVALS[arrival], "--rate", f"{rate:.4f}", "--duration", f"{duration:g}",
                                     "--seed", str(seed)])
     arrivals = build_schedule(config.arrival)
     return arrivals, requests(config, len(arrivals))
@@ -105,7 +108,8 @@ def closed_loop_capacity(spec: MeasuredSpec, workload: str, concurrency: int = 6
 
 
 def run(spec: MeasuredSpec, workload: str, load: float, seed: int, policy: str,
-        sent: tuple[np.ndarray, list[RequestSpec]], given_speed: bool = False) -> dict[str, Any]:
+        sent: tuple[np.ndarray, list[RequestSpec]], given_speed: bool = False,
+        arrival: str = "poisson") -> dict[str, Any]:
     """One run of the schedule `sent` (`schedule`'s) as a row of `bench.sim_vs_real`'s runs.jsonl (the fields
     `paired_ratios` and `tail` read)."""
     arrivals, specs = sent
@@ -114,7 +118,7 @@ def run(spec: MeasuredSpec, workload: str, load: float, seed: int, policy: str,
                given_speed=given_speed)
     firsts = [[r.arrival, r.first_token - r.arrival, r.prompt_tokens, r.replica] for r in records
               if r.first_token is not None]
-    return {"side": "sim-virtual", "workload": workload, "arrival": "poisson", "load": load, "seed": seed,
+    return {"side": "sim-virtual", "workload": workload, "arrival": arrival, "load": load, "seed": seed,
             "policy": policy, "ttft_s": [f[1] for f in firsts], "firsts": firsts,
             "rejected": sum(r.rejected for r in records)}
 
@@ -267,10 +271,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--seeds", type=int, default=30)
     parser.add_argument("--duration", type=float, default=12.0, help="seconds of schedule per run (12)")
     parser.add_argument("--workloads", default="mix,sharegpt")
+    parser.add_argument("--arrivals", default="poisson", help="poisson,gamma (gamma: burstiness 0.25, CV 2, as "
+                        "bench.sim_vs_real sends it)")
     parser.add_argument("--given-speed", action="store_true",
                         help="give the gateway the replica model's speed (as a plan would), not its defaults")
     parser.add_argument("--out", type=Path, help="also write the report here")
     args = parser.parse_args(argv)
+    arrivals = args.arrivals.split(",")
+    if unknown := [a for a in arrivals if a not in ARRIVALS]:
+        parser.error(f"--arrivals: unknown {', '.join(unknown)} (known: {', '.join(ARRIVALS)})")
     try:
         real = read_real(args.real)
         spec = MeasuredSpec(ReplicaModel.load(str(args.replica_model)), args.replicas)
@@ -282,10 +291,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     caps = {}
     for workload in args.workloads.split(","):
         caps[workload] = closed_loop_capacity(spec, workload, given_speed=args.given_speed)
-        for load in LOADS:
-            for seed in range(args.seeds):
-                sent = schedule(workload, load * caps[workload], args.duration, seed)  # the same for every policy
-                rows += [run(spec, workload, load, seed, p, sent, args.given_speed) for p in POLICIES]
+        for arrival in arrivals:
+            for load in LOADS:
+                for seed in range(args.seeds):
+                    sent = schedule(workload, load * caps[workload], args.duration, seed, arrival)  # every policy's
+                    rows += [run(spec, workload, load, seed, p, sent, args.given_speed, arrival) for p in POLICIES]
     rejected = sum(r["rejected"] for r in rows)
     meta = (f"Simulated: {args.replica_model}, {args.replicas} replicas, the gateway's "
             f"{'speed from the model' if args.given_speed else 'default speed'}, {args.seeds} seeds x "

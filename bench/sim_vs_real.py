@@ -94,6 +94,12 @@ WORKLOADS: dict[str, list[str]] = {
 }
 CHAT = ["--endpoint", "chat", "--workload", "multiturn", "--turns", "4:4", "--system-len", "128", "--input-len", "300",
         "--output-len", "64", "--think-time", "1", "--max-context", "2048"]
+ARRIVALS: dict[str, list[str]] = {  # the grid's arrival processes, as the load generator's options
+    "poisson": ["--arrival", "poisson"],
+    "gamma": ["--arrival", "gamma", "--burstiness", "0.25"],  # gaps with a coefficient of variation of 2
+}
+
+
 def python() -> str:
     return sys.executable
 
@@ -249,7 +255,7 @@ def capacity(gateway: str, workload: str, tokenizer: str, out: Path, requests: i
 
 def run_point(run: Run, side: Side, rate: float, duration: float, tokenizer: str, salt: int,
               out: Path) -> dict[str, Any]:
-    arrival = ["--arrival", "poisson"] if run.arrival == "poisson" else ["--arrival", "gamma", "--burstiness", "0.25"]
+    arrival = ARRIVALS[run.arrival]
     shape = CHAT if run.workload == "chat" else WORKLOADS[run.workload]
     before = counters(side.replicas, COUNTERS)
     speed = [machine_speed() for _ in range(3)]  # the machine's own speed about the run (slower: more us)
@@ -622,6 +628,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     repeats = args.repeats if args.repeats is not None else (0 if args.quick else 3)
     if repeats < 0:
         parser.error(f"--repeats must be >= 0, got {repeats}")
+    if unknown := [a for a in setup.arrivals if a not in ARRIVALS]:
+        parser.error(f"--arrivals: unknown {', '.join(unknown)} (known: {', '.join(ARRIVALS)})")
     calibrations = tuple(c for c in args.calibrations.split(",") if c)
     if unknown := [c for c in calibrations if c not in CALIBRATIONS]:
         parser.error(f"--calibrations: unknown {', '.join(unknown)} (known: {', '.join(CALIBRATIONS)}, or '' for "

@@ -29,6 +29,22 @@ def test_the_schedules_are_the_load_generators_seeded_mix() -> None:
     assert 0.1 < sum(s.prompt_tokens == 1024 for s in specs) / len(specs) < 0.3
 
 
+def test_bursts_are_the_gamma_gaps_bench_sim_vs_real_sends(capsys: pytest.CaptureFixture[str]) -> None:
+    """`--arrivals gamma` is what `bench.sim_vs_real` sends at its bursty points: gaps with a coefficient of
+    variation of 2 (burstiness 0.25), at the same mean rate and with the same lengths as Poisson's for a seed."""
+    poisson, lengths = schedule("mix", 10.0, 600.0, seed=3)
+    bursts, same_lengths = schedule("mix", 10.0, 600.0, seed=3, arrival="gamma")
+    gaps = [np.diff(a) for a in (poisson, bursts)]
+    cv = [float(np.std(g) / np.mean(g)) for g in gaps]
+    assert cv[0] == pytest.approx(1.0, abs=0.1) and cv[1] == pytest.approx(2.0, abs=0.3)
+    assert len(bursts) == pytest.approx(6000, rel=0.15)
+    n = min(len(lengths), len(same_lengths))
+    assert lengths[:n] == same_lengths[:n]
+    with pytest.raises(SystemExit) as exc:
+        main(["--replica-model", str(MODEL), "--real", str(VERDICT), "--arrivals", "poisson,bursty"])
+    assert exc.value.code == 2 and "--arrivals: unknown bursty (known: poisson, gamma)" in capsys.readouterr().err
+
+
 def test_capacity_in_virtual_time_matches_the_real_time_harness() -> None:
     """bench.sim_vs_real measured this model's capacity through `sim serve`, the real gateway and the load
     generator in real time (docs/bench/sim_vs_real_first_2026-11-25.md: mix 12.06,
@@ -77,10 +93,11 @@ def test_the_tail_says_whether_its_long_prompts_queued_behind_others() -> None:
 def test_the_bench_reports_every_pair(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "ranking.md"
     main(["--replica-model", str(MODEL), "--real", str(VERDICT), "--seeds", "2", "--duration", "6",
-          "--workloads", "mix", "--out", str(out)])
+          "--workloads", "mix", "--arrivals", "poisson,gamma", "--out", str(out)])
     text = out.read_text()
     assert text.strip() in capsys.readouterr().out
     assert "| mix/poisson/0.8 | least_requests | 0.80 (0.71-0.93; 14) |" in text
     assert "Pairs the real side decides (its interval excludes 1): 4;" in text  # the mix points' four
     assert "Where the slowest 1% of first tokens came from" in text
     assert "sharegpt" not in text.split("Simulated p99")[1]
+    assert "| mix/gamma/0.95 |" in text.split("Simulated p99")[1]  # simulated, though this report has no bursts

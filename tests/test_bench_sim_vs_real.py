@@ -94,6 +94,9 @@ def test_no_calibration_runs_the_real_side_alone_two_give_two_sides_and_an_unkno
     with pytest.raises(SystemExit) as exc:
         main(["--calibrations", "together,alone", "--dry-run"])
     assert exc.value.code == 2 and "--calibrations: unknown alone" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:  # once taken for bursts: every arrival but poisson ran as gamma
+        main(["--arrivals", "poisson,bursty", "--dry-run"])
+    assert exc.value.code == 2 and "--arrivals: unknown bursty (known: poisson, gamma)" in capsys.readouterr().err
 
 
 def test_more_seeds_start_where_told_and_core_work_needs_the_measured_prefill(
