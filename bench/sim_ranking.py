@@ -48,7 +48,7 @@ from sim.workload import RequestSpec
 
 from .common import markdown_table
 from .policy_verdict import Ratio, paired_ratios
-from .sim_vs_real import ARRIVALS, WORKLOADS
+from .sim_vs_real import ARRIVALS, WORKLOADS, arrivals_option
 from .sim_vs_real_report import DEFAULT, POLICIES, done_runs
 from .sim_vs_real_ranking import point_of
 
@@ -271,15 +271,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--seeds", type=int, default=30)
     parser.add_argument("--duration", type=float, default=12.0, help="seconds of schedule per run (12)")
     parser.add_argument("--workloads", default="mix,sharegpt")
-    parser.add_argument("--arrivals", default="poisson", help="poisson,gamma (gamma: burstiness 0.25, CV 2, as "
-                        "bench.sim_vs_real sends it)")
+    parser.add_argument("--arrivals", type=arrivals_option, default="poisson",
+                        help="poisson,gamma (gamma: burstiness 0.25, CV 2, as bench.sim_vs_real sends it)")
     parser.add_argument("--given-speed", action="store_true",
                         help="give the gateway the replica model's speed (as a plan would), not its defaults")
     parser.add_argument("--out", type=Path, help="also write the report here")
     args = parser.parse_args(argv)
-    arrivals = args.arrivals.split(",")
-    if unknown := [a for a in arrivals if a not in ARRIVALS]:
-        parser.error(f"--arrivals: unknown {', '.join(unknown)} (known: {', '.join(ARRIVALS)})")
     try:
         real = read_real(args.real)
         spec = MeasuredSpec(ReplicaModel.load(str(args.replica_model)), args.replicas)
@@ -291,7 +288,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     caps = {}
     for workload in args.workloads.split(","):
         caps[workload] = closed_loop_capacity(spec, workload, given_speed=args.given_speed)
-        for arrival in arrivals:
+        for arrival in args.arrivals:
             for load in LOADS:
                 for seed in range(args.seeds):
                     sent = schedule(workload, load * caps[workload], args.duration, seed, arrival)  # every policy's

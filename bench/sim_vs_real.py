@@ -100,6 +100,15 @@ ARRIVALS: dict[str, list[str]] = {  # the grid's arrival processes, as the load 
 }
 
 
+def arrivals_option(text: str) -> tuple[str, ...]:
+    """`--arrivals poisson,gamma` as a tuple of ARRIVALS' names (argparse's `type`: an unknown one is a usage
+    error)."""
+    names = tuple(text.split(","))
+    if unknown := [a for a in names if a not in ARRIVALS]:
+        raise argparse.ArgumentTypeError(f"unknown {', '.join(unknown)} (known: {', '.join(ARRIVALS)})")
+    return names
+
+
 def python() -> str:
     return sys.executable
 
@@ -559,7 +568,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--duration", type=float, default=15.0, help="seconds of schedule per run (15)")
     parser.add_argument("--loads", default="0.5,0.8,0.95")
     parser.add_argument("--workloads", default="mix,sharegpt")
-    parser.add_argument("--arrivals", default="poisson", help="poisson,gamma (gamma: burstiness 0.25, CV 2)")
+    parser.add_argument("--arrivals", type=arrivals_option, default="poisson",
+                        help="poisson,gamma (gamma: burstiness 0.25, CV 2)")
     parser.add_argument("--chat-duration", type=float, default=30.0, help="seconds of conversation starts (30)")
     parser.add_argument("--chat-rates", default="1.5", help="conversations/s of the chat points ('' for none)")
     parser.add_argument("--policies", default=",".join(POLICIES))
@@ -620,7 +630,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         return tuple(float(x) for x in text.split(",") if x)
 
     setup = Setup(args.replicas, args.seeds, args.duration, floats(args.loads), tuple(args.workloads.split(",")),
-                  tuple(args.arrivals.split(",")), floats(args.chat_rates), tuple(args.policies.split(",")),
+                  args.arrivals, floats(args.chat_rates), tuple(args.policies.split(",")),
                   tuple(args.chat_policies.split(",")), args.port, args.out, args.chat_duration)
     if args.quick:
         setup = Setup(args.replicas, 1, 6.0, (0.5,), ("mix",), ("poisson",), (), (DEFAULT, "round_robin"), (),
@@ -628,8 +638,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     repeats = args.repeats if args.repeats is not None else (0 if args.quick else 3)
     if repeats < 0:
         parser.error(f"--repeats must be >= 0, got {repeats}")
-    if unknown := [a for a in setup.arrivals if a not in ARRIVALS]:
-        parser.error(f"--arrivals: unknown {', '.join(unknown)} (known: {', '.join(ARRIVALS)})")
     calibrations = tuple(c for c in args.calibrations.split(",") if c)
     if unknown := [c for c in calibrations if c not in CALIBRATIONS]:
         parser.error(f"--calibrations: unknown {', '.join(unknown)} (known: {', '.join(CALIBRATIONS)}, or '' for "
