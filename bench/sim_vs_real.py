@@ -33,7 +33,9 @@ One command:
    calibration, each run's steps scaled to its own real twin's (that run's mean step from vLLM's counters over the
    model at that run's batch). It takes the speed from the run it is judged against, so it is an oracle for the
    machine's speed and a test of everything else the simulator does (scheduling, batching, chunked prefill,
-   routing, tails);
+   routing, tails). With `--fixed-speed median|SCALE`, a side "sim-fixed": the "together" calibration, every run of a
+   workload at one factor (SCALE, or the median of the factors the paired twins run at), so the policies are
+   compared with the machine's speed held where each real run had its own;
 7. the real side's first run is run `--repeats` more times (side "real-repeat", other prompts of the same
    lengths), spread over the real side's series: how far an identical schedule moves on the real replicas, the
    floor under every error against the simulator (on this shared 2-core machine, 10 identical sharegpt runs at
@@ -80,9 +82,9 @@ from .common import figure_path, machine_speed, save
 from .cpu_twin import cpu_twin
 from .engine_speed import counters, read_sync
 from .sim_vs_real_calibration import MODEL, PREFILL_COST, calibrate, measure_prefill_cost, profile_round, profiled
-from .sim_vs_real_report import (CALIBRATIONS, CHAT_POLICIES, DEFAULT, FOLLOWED, MATCHED, PAIRED, POLICIES, REPEAT,
-                                 Run, done_runs, plot, report, summarize)
-from .sim_vs_real_steps import decoding_context, matched_scale, run_scale, warmup_scale
+from .sim_vs_real_report import (CALIBRATIONS, CHAT_POLICIES, DEFAULT, FIXED, FOLLOWED, MATCHED, PAIRED, POLICIES,
+                                 REPEAT, Run, done_runs, plot, report, summarize)
+from .sim_vs_real_steps import decoding_context, fixed_scales, matched_scale, run_scale, warmup_scale
 from .sim_vs_real_ttft import COUNTERS as TTFT_COUNTERS
 from .sim_vs_real_ttft import ttft_parts
 from .way_out_probe import WAY_OUT_PROBE, fit_way_out, load, probe_outside, record
@@ -316,6 +318,7 @@ class Setup:
     calibration_rounds: int = 1  # each calibration's profiles taken this many times, spread over the real side
     match_steps: bool = False  # a side MATCHED, run on the seeds after the first (the first is its warm-up)
     pair_steps: bool = False  # a side PAIRED: each run at its real twin's own step speed
+    fixed_speed: str | None = None  # a side FIXED: every run at this one scale, or "median" (of the real runs')
     cpu_twin: bool = False  # simulated sides beside processes that use the CPU the real replicas used
     frontend_on_core: bool = False  # the calibrated replicas' API server on their engine's core (sim.measured)
     frontend_latency: bool = False  # their front end fitted as serial work plus a latency (sim.measured)
@@ -328,7 +331,8 @@ class Setup:
     def sides(self) -> tuple[str, ...]:
         """Every side, in the order they run: the real one first (the simulated sides need its runs)."""
         return ("real", *(CALIBRATIONS[c] for c in self.calibrations), *((MATCHED,) if self.match_steps else ()),
-                *((FOLLOWED,) if self.follow_speed else ()), *((PAIRED,) if self.pair_steps else ()))
+                *((FOLLOWED,) if self.follow_speed else ()), *((PAIRED,) if self.pair_steps else ()),
+                *((FIXED,) if self.fixed_speed else ()))
 
     def round_marks(self, real_runs: int) -> dict[int, int]:
         """Where the calibration rounds after the first are taken: {index of the real run they come before: the
@@ -480,7 +484,7 @@ def measure(setup: Setup) -> None:
             if side_name == "real":
                 urls, pids = real, real_pids
             else:  # every real run is done, every round of the calibrations taken
-                calibration = "together" if side_name in (MATCHED, FOLLOWED, PAIRED) else next(
+                calibration = "together" if side_name in (MATCHED, FOLLOWED, PAIRED, FIXED) else next(
                     c for c, n in CALIBRATIONS.items() if n == side_name)
                 if f"replica_model{suffix(calibration)}" not in meta:
                     model_path = out / f"replica{suffix(calibration)}.json"
@@ -511,6 +515,10 @@ def measure(setup: Setup) -> None:
                 if side_name == MATCHED and "matched_scale" not in meta:
                     meta["matched_scale"] = warmup_scale(list(done.values()), len(real), meta["replica_model_together"])
                     meta_path.write_text(json.dumps(meta, indent=1))
+                if side_name == FIXED and "fixed_scale" not in meta:
+                    meta["fixed_scale"] = fixed_scales(list(done.values()), len(real), meta["replica_model_together"],
+                                                       str(setup.fixed_speed))
+                    meta_path.write_text(json.dumps(meta, indent=1))
             spinning: AbstractContextManager[list[int]] = nullcontext([])
             if setup.cpu_twin and side_name != "real":
                 meta.setdefault("cpu_twin_cores", twin_cores(list(done_runs(results).values())))
@@ -522,6 +530,8 @@ def measure(setup: Setup) -> None:
                     if key not in meta:
                         if side_name == MATCHED:
                             set_scale(urls, matched_scale(meta["matched_scale"], workload))
+                        elif side_name == FIXED:
+                            set_scale(urls, meta["fixed_scale"][workload])
                         meta[key] = capacity(side.gateways[DEFAULT], workload, tokenizer, out / "tmp-capacity",
                                              setup.capacity_requests)
                         meta_path.write_text(json.dumps(meta, indent=1))
@@ -538,6 +548,8 @@ def measure(setup: Setup) -> None:
                         pace["engine_speed"] = asdict(read_sync(urls))
                     elif side_name == MATCHED:  # its workload's factor from the warm-up
                         pace["scale"] = matched_scale(meta["matched_scale"], run.workload)
+                    elif side_name == FIXED:  # one factor for every run of its workload
+                        pace["scale"] = meta["fixed_scale"][run.workload]
                     elif side_name in (FOLLOWED, PAIRED):  # each run at a speed read from its real twin
                         twin = done[replace(run, side="real").key]
                         pace["scale"] = (twin["engine_speed"]["ms_a_step"] / meta["speed_ref"]["ms_a_step"]
@@ -594,6 +606,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--pair-steps", action="store_true", help="add a side sim-paired: the together "
                         "calibration, each run's steps scaled to its own real twin's (an oracle for the machine's "
                         "speed, a test of everything else)")
+    parser.add_argument("--fixed-speed", metavar="median|SCALE", help="add a side sim-fixed: the together "
+                        "calibration, every run's steps scaled by one factor per workload: SCALE, or median (the "
+                        "median of the factors --pair-steps runs the real runs' twins at). The policies compared "
+                        "with the machine's speed held, where each real run had its own")
     parser.add_argument("--cpu-twin", action="store_true", help="run every simulated side beside processes that "
                         "spin for as many cores as the real replicas used (their median over the real runs), at "
                         "the replicas' priority: the machine shared alike on both sides (bench/cpu_twin.py)")
@@ -644,7 +660,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                      "the real side alone)")
     setup = replace(setup, deployment=args.deployment, calibrations=calibrations,
                     repeats=repeats, follow_speed=args.follow_speed, calibration_rounds=args.calibration_rounds,
-                    match_steps=args.match_steps, pair_steps=args.pair_steps, cpu_twin=args.cpu_twin,
+                    match_steps=args.match_steps, pair_steps=args.pair_steps, fixed_speed=args.fixed_speed,
+                    cpu_twin=args.cpu_twin,
                     frontend_on_core=args.frontend_on_core, frontend_latency=args.frontend_latency,
                     core_work=args.core_work, way_out=resolved_way_out(args.way_out, args.quick),
                     first_seed=args.first_seed,
@@ -666,6 +683,15 @@ def main(argv: Sequence[str] | None = None) -> None:
         parser.error(f"--calibration-rounds must be >= 1, got {setup.calibration_rounds}")
     if setup.pair_steps and "together" not in setup.calibrations:
         parser.error("--pair-steps scales the together calibration: add together to --calibrations")
+    if setup.fixed_speed is not None:
+        if "together" not in setup.calibrations:
+            parser.error("--fixed-speed scales the together calibration: add together to --calibrations")
+        if setup.fixed_speed != "median":
+            try:
+                if not 0 < float(setup.fixed_speed) < math.inf:
+                    raise ValueError
+            except ValueError:
+                parser.error(f"--fixed-speed must be median or a positive number, got {setup.fixed_speed!r}")
     if setup.follow_speed and "together" not in setup.calibrations:
         parser.error("--follow-speed scales the together calibration: add together to --calibrations")
     runs = [r for side in setup.sides() for r in setup.runs(side)]

@@ -35,6 +35,7 @@ REPEAT = "real-repeat"  # the real side's first run again, to measure how repeat
 MATCHED = "sim-matched"  # the together calibration, its steps scaled to the real engines' own in the seed-0 runs
 FOLLOWED = "sim-followed"  # the "together" calibration scaled, run by run, by the real engines' speed then
 PAIRED = "sim-paired"  # the together calibration, each run's steps scaled to its real twin's own (an oracle for speed)
+FIXED = "sim-fixed"  # the together calibration, every run at one speed: the policies compared with the speed held
 
 
 @dataclass(frozen=True)
@@ -173,7 +174,7 @@ def repeatability(rows: Sequence[dict[str, Any]]) -> list[str]:
 
 WHAT = {"sim-together": "calibrated with every replica busy", "sim": "calibrated from one replica alone",
         FOLLOWED: "scaled by a speed reading before each run", PAIRED: "each run at its twin's speed: an oracle",
-        MATCHED: "at the seed-0 runs' speed, judged on the others"}
+        MATCHED: "at the seed-0 runs' speed, judged on the others", FIXED: "every run at one speed"}
 
 
 def goal_sides(rows: Sequence[dict[str, Any]], table: dict[str, dict[str, Any]]
@@ -229,7 +230,7 @@ def report(out: Path, meta: dict[str, Any]) -> str:
                   f"ms a step right after the calibration; before the real runs, {FOLLOWED}'s scale (that run's "
                   f"reading over this one) {min(scales, default=math.nan):.2f}-{max(scales, default=math.nan):.2f}, "
                   f"median {float(np.median(scales)) if scales else math.nan:.2f}.", ""]
-    for side_name in (n for n in (*CALIBRATIONS.values(), FOLLOWED, PAIRED) if n in table):
+    for side_name in (n for n in (*CALIBRATIONS.values(), FOLLOWED, PAIRED, FIXED) if n in table):
         if side_name == PAIRED:
             scales = [r["scale"] for r in rows if r["side"] == PAIRED and "scale" in r]
             lines += [f"## `{PAIRED}`: each run at its real twin's own step speed", "",
@@ -238,13 +239,15 @@ def report(out: Path, meta: dict[str, Any]) -> str:
                       f"{min(scales, default=math.nan):.2f}-{max(scales, default=math.nan):.2f} x, median "
                       f"{float(np.median(scales)) if scales else math.nan:.2f}. The speed comes from the run it is "
                       "judged against, so this side's errors are those of everything but the machine's speed.", ""]
+        if side_name == FIXED:
+            lines += fixed_lines(rows, table, meta.get("fixed_scale", {}))
         lines += versus(real, table[side_name], side_name)
         lines += ranking_lines(rows, table, side_name)
         lines += inflight_lines(rows, int(meta.get("replicas", 2)), side_name)  # runs before 11-26: always 2
         suffix = next((f"_{c}" if c != "isolated" else "" for c, n in CALIBRATIONS.items() if n == side_name),
                       "_together")
         lines += steps_lines(rows, int(meta.get("replicas", 2)), side_name, meta.get(f"replica_model{suffix}"),
-                             scaled=side_name in (FOLLOWED, PAIRED))
+                             scaled=side_name in (FOLLOWED, PAIRED, FIXED))
     if MATCHED in table:
         held = [r for r in rows if r["seed"] > 0]
         lines += [f"## `{MATCHED}`: steps matched to the real engines' own in the seed-0 runs", "",
@@ -259,7 +262,7 @@ def report(out: Path, meta: dict[str, Any]) -> str:
         lines += ranking_lines(held, table_held, MATCHED)
         lines += steps_lines(held, int(meta.get("replicas", 2)), MATCHED, meta.get("replica_model_together"),
                              scaled=True)
-    simulated = [n for n in (*CALIBRATIONS.values(), FOLLOWED, PAIRED, MATCHED) if n in table]
+    simulated = [n for n in (*CALIBRATIONS.values(), FOLLOWED, PAIRED, FIXED, MATCHED) if n in table]
     lines += ttft_lines(rows, ["real", *simulated])
     lines += twin_lines(rows, simulated)
     lines += outside_lines(rows, ["real", *simulated])
@@ -301,6 +304,39 @@ def report(out: Path, meta: dict[str, Any]) -> str:
                               "replica", "TTFT p99", "seeds", "failed"], chat_rows), ""]
     lines += cpu_table(rows)
     return "\n".join(lines)
+
+
+def fixed_lines(rows: Sequence[dict[str, Any]], table: dict[str, dict[str, Any]], scales: dict[str, float]
+                ) -> list[str]:
+    """`FIXED`'s heading: the one speed per workload, each single-turn point's p99 TTFT by policy on the real side,
+    on `PAIRED` (each run at its twin's speed) where the run has it, and on `FIXED`, with the real runs' own speeds;
+    then item 3's rule on `FIXED`: whether the policies' tails still differ once the machine's speed is held."""
+    lines = [f"## `{FIXED}`: every run at one speed", "",
+             "The together model, every run's steps scaled by one factor per workload ("
+             + ", ".join(f"{w} {v:.2f} x" for w, v in sorted(scales.items())) + "): the same schedules with the "
+             "machine's speed held, where the real runs and `sim-paired` each ran at their own. p99 TTFT in ms "
+             "pooled over seeds; the real twins' step speeds over the model, min-max:", ""]
+    twins: dict[tuple[str, str], list[float]] = {}
+    for r in rows:
+        if r["side"] == PAIRED and "scale" in r:
+            twins.setdefault((point_of(r), r["policy"]), []).append(float(r["scale"]))
+    sides = [s for s in ("real", PAIRED, FIXED) if s in table]
+    body = []
+    for point, by in table.get(FIXED, {}).items():
+        if point.startswith("chat"):
+            continue
+        for policy in (p for p in POLICIES if p in by):
+            speeds = twins.get((point, policy))
+            body.append([point, policy, *(f"{table[s][point][policy]['ttft_p99']:.0f}"
+                                          if policy in table[s].get(point, {}) else "" for s in sides),
+                         f"{min(speeds):.2f}-{max(speeds):.2f}" if speeds else ""])
+    lines += [markdown_table(["point", "policy", *sides, "real twins' speed"], body), ""]
+    single = {pt: {p: v["ttft_p99"] for p, v in by.items()} for pt, by in table.get(FIXED, {}).items()
+              if not pt.startswith("chat") and DEFAULT in by}
+    if single:
+        lines += [f"Item 3's rule on `{FIXED}`:", ""]
+        lines += verdict_lines(single, DEFAULT)
+    return lines
 
 
 def prefill_cost_lines(path: Path) -> list[str]:
@@ -346,7 +382,7 @@ def plot(table: dict[str, dict[str, Any]], paths: Sequence[Path]) -> list[str]:
     figure of `GOALS`: its band shaded about the diagonal, the side's median error as "The goals" gives it in the
     title). Returns the sides drawn, top to bottom."""
     real = table.get("real", {})
-    sides = [n for n in (*CALIBRATIONS.values(), FOLLOWED, PAIRED) if n in table
+    sides = [n for n in (*CALIBRATIONS.values(), FOLLOWED, PAIRED, FIXED) if n in table
              and any(not p.startswith("chat") and p in table[n] for p in real)]
     if not sides:
         return []

@@ -197,6 +197,23 @@ def warmup_scale(rows: Sequence[dict[str, Any]], replicas: int, model_path: str)
     return {workload: float(np.median(v)) for workload, v in sorted(ratios.items())}
 
 
+def fixed_scales(rows: Sequence[dict[str, Any]], replicas: int, model_path: str, given: str) -> dict[str, float]:
+    """`--fixed-speed`'s one factor per single-turn workload: `given` as a number, or "median": the median over
+    every real run of that workload of its mean step over the model at its own batch (`step_ratio`, the factor
+    its `--pair-steps` twin runs at)."""
+    workloads = sorted({r["workload"] for r in rows if r["side"] == "real" and r["workload"] != "chat"})
+    if given != "median":
+        return dict.fromkeys(workloads, float(given))
+    model = ReplicaModel.load(model_path)
+    ratios: dict[str, list[float]] = {}
+    for r in rows:
+        if r["side"] == "real" and r["workload"] != "chat" and (ratio := step_ratio(r, replicas, model)) is not None:
+            ratios.setdefault(r["workload"], []).append(ratio)
+    if missing := [w for w in workloads if w not in ratios]:
+        raise ValueError(f"--fixed-speed median: no real run of {', '.join(missing)} with vLLM's step counters")
+    return {workload: float(np.median(v)) for workload, v in sorted(ratios.items())}
+
+
 def matched_scale(scales: float | dict[str, float], workload: str) -> float:
     """The factor `warmup_scale` found for `workload` (run directories before 2026-11-27: one for all)."""
     if isinstance(scales, dict):

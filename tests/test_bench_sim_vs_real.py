@@ -635,3 +635,47 @@ def test_the_calibration_asks_sim_calibrate_for_the_front_ends_latency_only_when
     assert "--core-work" in calls[2] and not any("--core-work" in c for c in calls[:2])
     assert calls[1][calls[1].index("calibrate") + 1:calls[1].index("--out")] == [
         "--profile", str(cal.profile_dir(tmp_path, "p", "_together", 0, 0, 2))]
+
+
+def test_the_fixed_side_runs_every_run_of_a_workload_at_one_speed(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--fixed-speed median`: the median of the real runs' own step speeds over the model (10 / 9 and 12 / 9 ms:
+    1.22 x); a number is taken as given; a run without counters is left out of the median, a workload with none is
+    an error. The side needs the together calibration and a positive number or median. The report sets each
+    point's p99 on the real side, the paired side and the fixed one beside the twins' speeds, and gives item 3's
+    rule on the fixed side."""
+    from bench.sim_vs_real import FIXED, PAIRED, main
+    from bench.sim_vs_real_steps import fixed_scales
+
+    path = tmp_path / "replica.json"
+    path.write_text(MODEL.to_json())
+    slow = _stepped("real", 2000, 16000, 20000)
+    slower = {**slow, "engine": {**slow["engine"], "span_s": slow["engine"]["span_s"] * 1.2}}
+    rows = [slow, slower, {**slow, "engine": None}, {**slow, "workload": "chat"}]
+    assert fixed_scales(rows, 2, str(path), "median") == {"sharegpt": pytest.approx(11 / 9)}
+    assert fixed_scales(rows, 2, str(path), "1.5") == {"sharegpt": 1.5}
+    with pytest.raises(ValueError, match="no real run of sharegpt with vLLM's step counters"):
+        fixed_scales(rows[2:], 2, str(path), "median")
+    fixed = Setup(**{**setup(0).__dict__, "pair_steps": True, "fixed_speed": "median"})
+    assert fixed.sides() == ("real", "sim-together", PAIRED, FIXED)
+    assert len(fixed.runs(FIXED)) == len(fixed.runs("real"))
+    for argv, message in ((["--fixed-speed", "median", "--calibrations", ""], "add together to --calibrations"),
+                          (["--fixed-speed", "fast"], "median or a positive number, got 'fast'"),
+                          (["--fixed-speed", "0"], "median or a positive number, got '0'")):
+        with pytest.raises(SystemExit) as exc:
+            main([*argv, "--dry-run"])
+        assert exc.value.code == 2 and message in capsys.readouterr().err
+    main(["--fixed-speed", "1.1", "--dry-run", "--seeds", "1", "--workloads", "mix", "--loads", "0.5",
+          "--chat-rates", ""])
+    assert f"{FIXED}/mix/poisson/0.5/0/prefix_affinity" in capsys.readouterr().out
+    rows = [row("real", 0, 20.0, 5.0), row("real", 0, 40.0, 5.0, "round_robin"),
+            {**row(PAIRED, 0, 19.0, 5.0), "scale": 1.1}, {**row(PAIRED, 0, 42.0, 5.0, "round_robin"), "scale": 1.3},
+            {**row(FIXED, 0, 30.0, 5.0), "scale": 1.2}, {**row(FIXED, 0, 31.0, 5.0, "round_robin"), "scale": 1.2}]
+    (tmp_path / "runs.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    text = report(tmp_path, {"capacity_real_mix": 18.0, "replica_model_together": str(path),
+                             "fixed_scale": {"mix": 1.2}})
+    assert f"## `{FIXED}`: every run at one speed" in text and "(mix 1.20 x)" in text
+    assert "| mix/poisson/0.5 | prefix_affinity | 20 | 19 | 30 | 1.10-1.10 |" in text
+    assert "| mix/poisson/0.5 | round_robin | 40 | 42 | 31 | 1.30-1.30 |" in text
+    section = text.split(f"Item 3's rule on `{FIXED}`:")[1]
+    assert "Over 1 point: prefix_affinity, round_robin meet it." in section.split("##")[0]
