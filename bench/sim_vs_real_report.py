@@ -20,9 +20,9 @@ from .sim_vs_real_calibration import PREFILL_COST, profile_dir, profiled, round_
 from .sim_vs_real_goals import GOALS, goals_lines, median_errors
 from .sim_vs_real_inflight import inflight_lines
 from .sim_vs_real_lengths import length_lines
-from .sim_vs_real_ranking import point_of, ranking_lines, verdict_lines
+from .sim_vs_real_ranking import p99_by_seed, point_of, ranking_lines, verdict_lines
 from .sim_vs_real_rounds import models_lines, rounds_lines
-from .sim_vs_real_steps import speedometer_lines, steps_lines
+from .sim_vs_real_steps import rank_correlation, speedometer_lines, steps_lines
 from .sim_vs_real_ttft import outside_lines, ttft_lines, twin_lines
 from .way_out_probe import lines as way_out_lines
 
@@ -336,7 +336,35 @@ def fixed_lines(rows: Sequence[dict[str, Any]], table: dict[str, dict[str, Any]]
     if single:
         lines += [f"Item 3's rule on `{FIXED}`:", ""]
         lines += verdict_lines(single, DEFAULT)
-    return lines
+    return lines + run_by_run_lines(rows)
+
+
+def run_by_run_lines(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """Run by run at each single-turn point: the real run's own step speed (its `PAIRED` twin's scale), its p99
+    TTFT, and its twins' on `PAIRED` and `FIXED`, slowest first; per point, the rank correlation of the real runs'
+    p99 with their speed: whether a tail follows the minute a run ran in."""
+    p99 = {side: p99_by_seed(rows, side) for side in ("real", PAIRED, FIXED)}
+    speeds = {(point_of(r), r["seed"], r["policy"]): float(r["scale"]) for r in rows
+              if r["side"] == PAIRED and "scale" in r and r["workload"] != "chat"}
+    body: list[list[object]] = []
+    notes = []
+    for point in sorted({pt for pt, _, _ in speeds}):
+        runs = sorted(((s, seed, policy) for (pt, seed, policy), s in speeds.items() if pt == point
+                       and seed in p99["real"].get(point, {}).get(policy, {})), reverse=True)
+        for speed, seed, policy in runs:
+            body.append([point, seed, policy, f"{speed:.2f}",
+                         *(f"{p99[side][point][policy][seed] * 1e3:.0f}"
+                           if seed in p99[side].get(point, {}).get(policy, {}) else "" for side in p99)])
+        if len(runs) > 2:
+            real = np.array([p99["real"][point][policy][seed] for _, seed, policy in runs])
+            notes.append(f"{point} {rank_correlation(np.array([s for s, _, _ in runs]), real):+.2f}")
+    if not body:
+        return []
+    return ["Run by run: the real run's step speed over the model (its paired twin's factor), and p99 TTFT in ms "
+            "of the real run and of its twins, slowest run first:", "",
+            markdown_table(["point", "seed", "policy", "real speed", "real", PAIRED, FIXED], body), "",
+            *(["Rank correlation of a real run's p99 with its speed, per point: " + ", ".join(notes) + ".", ""]
+              if notes else [])]
 
 
 def prefill_cost_lines(path: Path) -> list[str]:
