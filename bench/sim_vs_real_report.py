@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from deploy.process import REPLICA_NICE
+from sim.measured import ReplicaModel
 
 from .common import markdown_table, pyplot
 from .sim_vs_real_calibration import PREFILL_COST, profile_dir, profiled, round_models
@@ -22,7 +23,7 @@ from .sim_vs_real_inflight import inflight_lines
 from .sim_vs_real_lengths import length_lines
 from .sim_vs_real_ranking import p99_by_seed, point_of, ranking_lines, verdict_lines
 from .sim_vs_real_rounds import models_lines, rounds_lines
-from .sim_vs_real_steps import rank_correlation, speedometer_lines, steps_lines
+from .sim_vs_real_steps import rank_correlation, speedometer_lines, step_ratio, steps_lines
 from .sim_vs_real_ttft import outside_lines, ttft_lines, twin_lines
 from .way_out_probe import lines as way_out_lines
 
@@ -291,6 +292,7 @@ def report(out: Path, meta: dict[str, Any]) -> str:
                   + ", ".join(ratios) + ".", ""]
         lines += verdict_lines({pt: {p: v["ttft_p99"] for p, v in by.items()} for pt, by in single.items()},
                                DEFAULT)
+        lines += run_by_run_lines(rows, int(meta.get("replicas", 2)), meta.get("replica_model_together"))
     lines += ["## Multi-turn chat: prefix-cache hit rate (vLLM's counters) and p99 TTFT", ""]
     chat_rows = []
     for side_name, by_point in table.items():
@@ -336,35 +338,49 @@ def fixed_lines(rows: Sequence[dict[str, Any]], table: dict[str, dict[str, Any]]
     if single:
         lines += [f"Item 3's rule on `{FIXED}`:", ""]
         lines += verdict_lines(single, DEFAULT)
-    return lines + run_by_run_lines(rows)
+    return lines
 
 
-def run_by_run_lines(rows: Sequence[dict[str, Any]]) -> list[str]:
-    """Run by run at each single-turn point: the real run's own step speed (its `PAIRED` twin's scale), its p99
-    TTFT, and its twins' on `PAIRED` and `FIXED`, slowest first; per point, the rank correlation of the real runs'
-    p99 with their speed: whether a tail follows the minute a run ran in."""
+def run_by_run_lines(rows: Sequence[dict[str, Any]], replicas: int, model_path: str | None) -> list[str]:
+    """Run by run at each single-turn point: the real run's own step speed over the replica model at its batch
+    (`step_ratio`: the factor its `PAIRED` twin runs at), its p99 TTFT, and its twins' on `PAIRED` and `FIXED`
+    where they ran, slowest first; per point, the rank correlation of the real runs' p99 with their speed: whether a
+    tail follows the minute a run ran in. Nothing without the model."""
+    if model_path is None:
+        return []
+    model = ReplicaModel.load(model_path)
     p99 = {side: p99_by_seed(rows, side) for side in ("real", PAIRED, FIXED)}
-    speeds = {(point_of(r), r["seed"], r["policy"]): float(r["scale"]) for r in rows
-              if r["side"] == PAIRED and "scale" in r and r["workload"] != "chat"}
+    speeds = {(point_of(r), r["seed"], r["policy"]): ratio for r in rows
+              if r["side"] == "real" and r["workload"] != "chat" and r["ttft_s"]
+              and (ratio := step_ratio(r, replicas, model)) is not None}
     body: list[list[object]] = []
-    notes = []
+    notes: list[list[object]] = []
     for point in sorted({pt for pt, _, _ in speeds}):
-        runs = sorted(((s, seed, policy) for (pt, seed, policy), s in speeds.items() if pt == point
-                       and seed in p99["real"].get(point, {}).get(policy, {})), reverse=True)
+        runs = sorted(((s, seed, policy) for (pt, seed, policy), s in speeds.items() if pt == point), reverse=True)
         for speed, seed, policy in runs:
             body.append([point, seed, policy, f"{speed:.2f}",
                          *(f"{p99[side][point][policy][seed] * 1e3:.0f}"
                            if seed in p99[side].get(point, {}).get(policy, {}) else "" for side in p99)])
         if len(runs) > 2:
             real = np.array([p99["real"][point][policy][seed] for _, seed, policy in runs])
-            notes.append(f"{point} {rank_correlation(np.array([s for s, _, _ in runs]), real):+.2f}")
+            seeds = sorted({seed for _, seed, _ in runs})
+            groups = [[(s, p99["real"][point][policy][seed]) for s, k, policy in runs if k == seed] for seed in seeds]
+            groups = [g for g in groups if len(g) > 2]
+            slowest = sum(max(g)[1] == max(t for _, t in g) for g in groups)  # the slowest run had the longest tail
+            within = [rank_correlation(np.array([s for s, _ in g]), np.array([t for _, t in g])) for g in groups]
+            notes.append([point, len(runs), f"{rank_correlation(np.array([s for s, _, _ in runs]), real):+.2f}",
+                          f"{float(np.mean(within)):+.2f}" if within else "",
+                          f"{slowest} of {len(groups)}" if groups else ""])
     if not body:
         return []
-    return ["Run by run: the real run's step speed over the model (its paired twin's factor), and p99 TTFT in ms "
-            "of the real run and of its twins, slowest run first:", "",
+    return ["Run by run: the real run's step speed over the model at its own batch (the factor its paired twin runs "
+            "at), and p99 TTFT in ms of the real run and of its twins where they ran, slowest run first:", "",
             markdown_table(["point", "seed", "policy", "real speed", "real", PAIRED, FIXED], body), "",
-            *(["Rank correlation of a real run's p99 with its speed, per point: " + ", ".join(notes) + ".", ""]
-              if notes else [])]
+            *(["Does a real run's tail follow its speed? Spearman's rank correlation of its p99 with its speed over "
+               "the point's runs, and within each seed (its policies' runs, one schedule: the mean over the seeds); "
+               "the seeds in which the slowest run had the longest tail (chance: one in as many policies):", "",
+               markdown_table(["point", "runs", "rank correlation, all runs", "within a seed, mean",
+                               "slowest run, longest tail"], notes), ""] if notes else [])]
 
 
 def prefill_cost_lines(path: Path) -> list[str]:

@@ -679,23 +679,34 @@ def test_the_fixed_side_runs_every_run_of_a_workload_at_one_speed(
     assert "| mix/poisson/0.5 | round_robin | 40 | 42 | 31 | 1.30-1.30 |" in text
     section = text.split(f"Item 3's rule on `{FIXED}`:")[1]
     assert "Over 1 point: prefix_affinity, round_robin meet it." in section.split("##")[0]
-    assert "| mix/poisson/0.5 | 0 | round_robin | 1.30 | 40 | 42 | 31 |" in section
-    assert section.index("| 0 | round_robin | 1.30 |") < section.index("| 0 | prefix_affinity | 1.10 |")
 
 
-def test_run_by_run_sets_each_real_run_by_its_speed_and_correlates_its_tail_with_it() -> None:
-    """Three seeds of one point: the slower the real run (its paired twin's factor), the longer its tail: rank
-    correlation +1.00, the slowest run first; a twin that did not run leaves its cell empty."""
+def test_run_by_run_sets_each_real_run_by_its_speed_and_correlates_its_tail_with_it(tmp_path: Path) -> None:
+    """Three seeds of one point, each real run's engines at 10 ms a step where the model gives 9.0 at their batch,
+    times its span: 1.00, 1.20 and 1.10 x the model. The slower the run, the longer its tail: rank correlation
+    +1.00, the slowest run first, its twins beside it; a twin that did not run leaves its cell empty, and a run
+    without vLLM's counters is left out. Three policies of one seed at 1.0 / 1.2 / 1.1 x with tails of 30 / 20 /
+    40 ms: -0.50 within the seed, and the slowest run's tail not the longest. Nothing without the model."""
     from bench.sim_vs_real import FIXED, PAIRED
     from bench.sim_vs_real_report import run_by_run_lines
 
-    rows = []
+    path = tmp_path / "replica.json"
+    path.write_text(MODEL.to_json())
+    engine = _stepped("real", 2000, 16000, 20000)["engine"]
+    rows: list[dict[str, object]] = [{**row("real", 0, 99.0, 5.0), "seed": 3}]
     for seed, (speed, ms) in enumerate(((1.0, 30.0), (1.2, 50.0), (1.1, 40.0))):
-        rows += [{**row("real", 0, ms, 5.0), "seed": seed}, {**row(PAIRED, 0, ms, 5.0), "seed": seed, "scale": speed}]
+        rows += [{**row("real", 0, ms, 5.0), "seed": seed, "engine": {**engine, "span_s": 9.0 * speed}},
+                 {**row(PAIRED, 0, ms + 1, 5.0), "seed": seed, "scale": speed}]
         rows += [{**row(FIXED, 0, 35.0, 5.0), "seed": seed, "scale": 1.1}] if seed else []
-    text = "\n".join(run_by_run_lines(rows))
-    assert text.index("| mix/poisson/0.5 | 1 | prefix_affinity | 1.20 | 50 | 50 | 35 |") < text.index(
-        "| mix/poisson/0.5 | 2 | prefix_affinity | 1.10 | 40 | 40 | 35 |") < text.index(
-        "| mix/poisson/0.5 | 0 | prefix_affinity | 1.00 | 30 | 30 |  |")
-    assert "per point: mix/poisson/0.5 +1.00." in text
-    assert run_by_run_lines([r for r in rows if r["side"] != PAIRED]) == []
+    text = "\n".join(run_by_run_lines(rows, 2, str(path)))
+    assert text.index("| mix/poisson/0.5 | 1 | prefix_affinity | 1.20 | 50 | 51 | 35 |") < text.index(
+        "| mix/poisson/0.5 | 2 | prefix_affinity | 1.10 | 40 | 41 | 35 |") < text.index(
+        "| mix/poisson/0.5 | 0 | prefix_affinity | 1.00 | 30 | 31 |  |")
+    assert "| 3 | prefix_affinity" not in text
+    assert "| mix/poisson/0.5 | 3 | +1.00 |  |  |" in text  # one run a seed: no seed to look within
+    policies = ("round_robin", "least_requests", "prefix_affinity")
+    within = [{**row("real", 0, ms, 5.0, policy), "engine": {**engine, "span_s": 9.0 * speed}}
+              for policy, speed, ms in zip(policies, (1.0, 1.2, 1.1), (30.0, 20.0, 40.0))]
+    text = "\n".join(run_by_run_lines(within, 2, str(path)))
+    assert "| mix/poisson/0.5 | 3 | -0.50 | -0.50 | 0 of 1 |" in text
+    assert run_by_run_lines(rows, 2, None) == []
