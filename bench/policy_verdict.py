@@ -9,7 +9,11 @@ in one seed cannot swing as it swings a pooled p99). And how sure each pooled ra
 over each other policy's, with a 90% interval from resampling the seeds (a seed of one directory is one unit, and
 a resample takes whole units, both policies' runs of that seed together, so the schedule they shared stays paired).
 
-    python -m bench.policy_verdict runs/svr-a runs/svr-b
+    python -m bench.policy_verdict runs/svr-a runs/svr-b [--replica-model runs/svr-a/replica_together.json]
+
+With `--replica-model` (a directory's together calibration), each directory's runs are then set run by run beside
+their own step speed over that model (`bench.sim_vs_real_report.run_by_run_lines`): whether a run's tail follows
+the minute it ran in.
 
 The runs' offered rates differ a little (each from its own capacity measurement), so pooling is by load fraction,
 as the run directories were measured; the table says how many seeds and requests each cell holds.
@@ -24,6 +28,7 @@ its own TPOT, and so looks a little better in steps than it is.
 from __future__ import annotations
 
 import argparse
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from .common import markdown_table
-from .sim_vs_real_report import DEFAULT, POLICIES, done_runs, summarize
+from .sim_vs_real_report import DEFAULT, POLICIES, done_runs, run_by_run_lines, summarize
 from .sim_vs_real_ranking import p99_by_seed, point_of, verdict_lines
 
 
@@ -148,7 +153,8 @@ def interval_lines(ratios: dict[str, dict[str, Ratio]], default: str = DEFAULT, 
     return [*lines, ""]
 
 
-def verdict(dirs: Sequence[Path]) -> str:
+def verdict(dirs: Sequence[Path], replica_model: Path | None = None) -> str:
+    """The report (see the module's docstring); `replica_model`: set each directory's runs beside their speed."""
     runs = read(dirs)
     table = pooled(runs)
     if not table:
@@ -176,15 +182,26 @@ def verdict(dirs: Sequence[Path]) -> str:
                   "was lower than each other policy's (a coin: half):", "",
                   markdown_table(["point", *(f"default lower than {p}" for p in others)], body), ""]
     lines += interval_lines(paired_ratios(runs))
+    if replica_model is not None:
+        if not replica_model.is_file():
+            raise FileNotFoundError(f"--replica-model {replica_model}: no such file")
+        for d, rows in zip(dirs, runs):
+            meta = d / "meta.json"
+            replicas = int(json.loads(meta.read_text()).get("replicas", 2)) if meta.is_file() else 2
+            lines += [f"### {d}, run by run ({replicas} replicas; speeds over {replica_model})", "",
+                      *(run_by_run_lines(rows, replicas, str(replica_model))
+                        or ["No run with vLLM's step counters.", ""])]
     return "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("dirs", nargs="+", type=Path, help="bench.sim_vs_real output directories (--out)")
+    parser.add_argument("--replica-model", type=Path, help="a together calibration (replica_together.json): set "
+                        "each directory's runs beside their own step speed over it")
     args = parser.parse_args(argv)
     try:
-        print(verdict(args.dirs))
+        print(verdict(args.dirs, args.replica_model))
     except (FileNotFoundError, ValueError) as e:
         parser.error(str(e))
 

@@ -103,3 +103,32 @@ def test_a_policy_slower_in_every_seed_is_shown_past_the_mark(tmp_path: Path) ->
     ratios = paired_ratios(read([_run_dir(tmp_path / "a", rows)]))
     assert ratios["mix/poisson/0.5"]["round_robin"].low > 1.3
     assert "at: mix/poisson/0.5 against round_robin" in "\n".join(interval_lines(ratios))
+
+
+def test_with_a_replica_model_each_directorys_runs_are_set_beside_their_speed(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Two runs of one seed whose engines stepped 10 and 12 ms where the model gives 9.0 ms at their batch (8
+    sequences, 10 prompt tokens a step): 1.11 and 1.33 x, the slower one first, beside their p99s. A directory
+    without step counters says so; a missing model file is a usage error."""
+    from sim.measured import ReplicaModel
+
+    model = ReplicaModel(model_name="m", step_s=((1, 0.005), (16, 0.0125)), prefill_s_per_token=50e-6,
+                         frontend_s=0.0, max_num_seqs=32, max_num_batched_tokens=2048, chunked_prefill=True,
+                         prefix_caching=True, block_size=128, num_blocks=100, max_model_len=2048)
+    path = tmp_path / "replica.json"
+    path.write_text(model.to_json())
+
+    def stepped(policy: str, ms: float, span_s: float) -> dict[str, object]:
+        return {**_row(policy, 0, [ms] * 100), "engine": {"steps": 2000, "tokens": 36000, "generated": 16000,
+                                                          "prompt": 20000, "span_s": span_s}}
+    run = _run_dir(tmp_path / "a", [stepped("prefix_affinity", 20, 10.0), stepped("round_robin", 300, 12.0)])
+    (run / "meta.json").write_text(json.dumps({"replicas": 2}))
+    bare = _run_dir(tmp_path / "b", [_row("prefix_affinity", 0, [20] * 100)])
+    text = verdict([run, bare], path)
+    mine = text.split(f"### {run}, run by run (2 replicas")[1]
+    assert mine.index("| mix/poisson/0.5 | 0 | round_robin | 1.33 | 300 |") < mine.index(
+        "| mix/poisson/0.5 | 0 | prefix_affinity | 1.11 | 20 |")
+    assert "No run with vLLM's step counters." in text.split(f"### {bare}, run by run")[1]
+    with pytest.raises(SystemExit) as exc:
+        main([str(run), "--replica-model", str(tmp_path / "none.json")])
+    assert exc.value.code == 2 and "none.json: no such file" in capsys.readouterr().err
