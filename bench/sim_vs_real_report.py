@@ -344,12 +344,12 @@ def fixed_lines(rows: Sequence[dict[str, Any]], table: dict[str, dict[str, Any]]
 def run_by_run_lines(rows: Sequence[dict[str, Any]], replicas: int, model_path: str | None) -> list[str]:
     """Run by run at each single-turn point: the real run's own step speed over the replica model at its batch
     (`step_ratio`: the factor its `PAIRED` twin runs at), its p99 TTFT, and its twins' on `PAIRED` and `FIXED`
-    where they ran, slowest first; per point, the rank correlation of the real runs' p99 with their speed: whether a
-    tail follows the minute a run ran in. Nothing without the model."""
+    where they ran (a column for each side that has runs), slowest first; per point, the rank correlation of the
+    real runs' p99 with their speed: whether a tail follows the minute a run ran in. Nothing without the model."""
     if model_path is None:
         return []
     model = ReplicaModel.load(model_path)
-    p99 = {side: p99_by_seed(rows, side) for side in ("real", PAIRED, FIXED)}
+    p99 = {side: by for side in ("real", PAIRED, FIXED) if (by := p99_by_seed(rows, side)) or side == "real"}
     speeds = {(point_of(r), r["seed"], r["policy"]): ratio for r in rows
               if r["side"] == "real" and r["workload"] != "chat" and r["ttft_s"]
               and (ratio := step_ratio(r, replicas, model)) is not None}
@@ -375,7 +375,7 @@ def run_by_run_lines(rows: Sequence[dict[str, Any]], replicas: int, model_path: 
         return []
     return ["Run by run: the real run's step speed over the model at its own batch (the factor its paired twin runs "
             "at), and p99 TTFT in ms of the real run and of its twins where they ran, slowest run first:", "",
-            markdown_table(["point", "seed", "policy", "real speed", "real", PAIRED, FIXED], body), "",
+            markdown_table(["point", "seed", "policy", "real speed", *p99], body), "",
             *(["Does a real run's tail follow its speed? Spearman's rank correlation of its p99 with its speed over "
                "the point's runs, and within each seed (its policies' runs, one schedule: the mean over the seeds); "
                "the seeds in which the slowest run had the longest tail (chance: one in as many policies):", "",
