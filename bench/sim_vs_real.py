@@ -111,6 +111,19 @@ def arrivals_option(text: str) -> tuple[str, ...]:
     return names
 
 
+def fixed_speed_option(text: str) -> str:
+    """`--fixed-speed` as given: "median" or a positive number (argparse's `type`: anything else is a usage
+    error)."""
+    if text != "median":
+        try:
+            scale = float(text)
+        except ValueError:
+            scale = math.nan
+        if not 0 < scale < math.inf:
+            raise argparse.ArgumentTypeError(f"must be median or a positive number, got {text!r}")
+    return text
+
+
 def python() -> str:
     return sys.executable
 
@@ -606,7 +619,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--pair-steps", action="store_true", help="add a side sim-paired: the together "
                         "calibration, each run's steps scaled to its own real twin's (an oracle for the machine's "
                         "speed, a test of everything else)")
-    parser.add_argument("--fixed-speed", metavar="median|SCALE", help="add a side sim-fixed: the together "
+    parser.add_argument("--fixed-speed", type=fixed_speed_option, metavar="median|SCALE", help="add a side sim-fixed: the together "
                         "calibration, every run's steps scaled by one factor per workload: SCALE, or median (the "
                         "median of the factors --pair-steps runs the real runs' twins at). The policies compared "
                         "with the machine's speed held, where each real run had its own")
@@ -683,15 +696,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         parser.error(f"--calibration-rounds must be >= 1, got {setup.calibration_rounds}")
     if setup.pair_steps and "together" not in setup.calibrations:
         parser.error("--pair-steps scales the together calibration: add together to --calibrations")
-    if setup.fixed_speed is not None:
-        if "together" not in setup.calibrations:
-            parser.error("--fixed-speed scales the together calibration: add together to --calibrations")
-        if setup.fixed_speed != "median":
-            try:
-                if not 0 < float(setup.fixed_speed) < math.inf:
-                    raise ValueError
-            except ValueError:
-                parser.error(f"--fixed-speed must be median or a positive number, got {setup.fixed_speed!r}")
+    if setup.fixed_speed is not None and "together" not in setup.calibrations:
+        parser.error("--fixed-speed scales the together calibration: add together to --calibrations")
     if setup.follow_speed and "together" not in setup.calibrations:
         parser.error("--follow-speed scales the together calibration: add together to --calibrations")
     runs = [r for side in setup.sides() for r in setup.runs(side)]

@@ -186,14 +186,20 @@ def warmup_scale(rows: Sequence[dict[str, Any]], replicas: int, model_path: str)
     (the warm-up): the median over that workload's runs of each run's mean step over the model at its own batch,
     prompt tokens a step and decoding context. Per workload, since the model's miss depends on the lengths (on
     2026-11-27 the engines ran 1.2-1.3 x it on `mix` and 1.55 x on ShareGPT-like lengths, in the same minutes)."""
+    ratios = median_step_ratios([r for r in rows if r["seed"] == 0], replicas, model_path)
+    if not ratios:
+        raise ValueError("no single-turn real run of seed 0 with vLLM's step counters to match the model to")
+    return ratios
+
+
+def median_step_ratios(rows: Sequence[dict[str, Any]], replicas: int, model_path: str) -> dict[str, float]:
+    """Per single-turn workload, the median over its real runs of `step_ratio` (workloads whose runs have no
+    vLLM counters are absent)."""
     model = ReplicaModel.load(model_path)
     ratios: dict[str, list[float]] = {}
     for r in rows:
-        if r["side"] == "real" and r["seed"] == 0 and r["workload"] != "chat":
-            if (ratio := step_ratio(r, replicas, model)) is not None:
-                ratios.setdefault(r["workload"], []).append(ratio)
-    if not ratios:
-        raise ValueError("no single-turn real run of seed 0 with vLLM's step counters to match the model to")
+        if r["side"] == "real" and r["workload"] != "chat" and (ratio := step_ratio(r, replicas, model)) is not None:
+            ratios.setdefault(r["workload"], []).append(ratio)
     return {workload: float(np.median(v)) for workload, v in sorted(ratios.items())}
 
 
@@ -204,14 +210,10 @@ def fixed_scales(rows: Sequence[dict[str, Any]], replicas: int, model_path: str,
     workloads = sorted({r["workload"] for r in rows if r["side"] == "real" and r["workload"] != "chat"})
     if given != "median":
         return dict.fromkeys(workloads, float(given))
-    model = ReplicaModel.load(model_path)
-    ratios: dict[str, list[float]] = {}
-    for r in rows:
-        if r["side"] == "real" and r["workload"] != "chat" and (ratio := step_ratio(r, replicas, model)) is not None:
-            ratios.setdefault(r["workload"], []).append(ratio)
+    ratios = median_step_ratios(rows, replicas, model_path)
     if missing := [w for w in workloads if w not in ratios]:
         raise ValueError(f"--fixed-speed median: no real run of {', '.join(missing)} with vLLM's step counters")
-    return {workload: float(np.median(v)) for workload, v in sorted(ratios.items())}
+    return ratios
 
 
 def matched_scale(scales: float | dict[str, float], workload: str) -> float:
