@@ -83,7 +83,7 @@ from .cpu_twin import cpu_twin
 from .engine_speed import counters, read_sync
 from .sim_vs_real_calibration import MODEL, PREFILL_COST, calibrate, measure_prefill_cost, profile_round, profiled
 from .sim_vs_real_report import (CALIBRATIONS, CHAT_POLICIES, DEFAULT, FIXED, FOLLOWED, MATCHED, PAIRED, POLICIES,
-                                 REPEAT, Run, done_runs, plot, report, summarize)
+                                 REPEAT, SCALED, Run, done_runs, plot, report, summarize)
 from .sim_vs_real_steps import decoding_context, fixed_scales, matched_scale, run_scale, warmup_scale
 from .sim_vs_real_ttft import COUNTERS as TTFT_COUNTERS
 from .sim_vs_real_ttft import ttft_parts
@@ -497,7 +497,7 @@ def measure(setup: Setup) -> None:
             if side_name == "real":
                 urls, pids = real, real_pids
             else:  # every real run is done, every round of the calibrations taken
-                calibration = "together" if side_name in (MATCHED, FOLLOWED, PAIRED, FIXED) else next(
+                calibration = "together" if side_name in (MATCHED, *SCALED) else next(
                     c for c, n in CALIBRATIONS.items() if n == side_name)
                 if f"replica_model{suffix(calibration)}" not in meta:
                     model_path = out / f"replica{suffix(calibration)}.json"

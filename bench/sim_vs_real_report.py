@@ -37,6 +37,7 @@ MATCHED = "sim-matched"  # the together calibration, its steps scaled to the rea
 FOLLOWED = "sim-followed"  # the "together" calibration scaled, run by run, by the real engines' speed then
 PAIRED = "sim-paired"  # the together calibration, each run's steps scaled to its real twin's own (an oracle for speed)
 FIXED = "sim-fixed"  # the together calibration, every run at one speed: the policies compared with the speed held
+SCALED = (FOLLOWED, PAIRED, FIXED)  # the sides whose runs each carry the scale they ran at
 
 
 @dataclass(frozen=True)
@@ -231,7 +232,7 @@ def report(out: Path, meta: dict[str, Any]) -> str:
                   f"ms a step right after the calibration; before the real runs, {FOLLOWED}'s scale (that run's "
                   f"reading over this one) {min(scales, default=math.nan):.2f}-{max(scales, default=math.nan):.2f}, "
                   f"median {float(np.median(scales)) if scales else math.nan:.2f}.", ""]
-    for side_name in (n for n in (*CALIBRATIONS.values(), FOLLOWED, PAIRED, FIXED) if n in table):
+    for side_name in (n for n in (*CALIBRATIONS.values(), *SCALED) if n in table):
         if side_name == PAIRED:
             scales = [r["scale"] for r in rows if r["side"] == PAIRED and "scale" in r]
             lines += [f"## `{PAIRED}`: each run at its real twin's own step speed", "",
@@ -248,7 +249,7 @@ def report(out: Path, meta: dict[str, Any]) -> str:
         suffix = next((f"_{c}" if c != "isolated" else "" for c, n in CALIBRATIONS.items() if n == side_name),
                       "_together")
         lines += steps_lines(rows, int(meta.get("replicas", 2)), side_name, meta.get(f"replica_model{suffix}"),
-                             scaled=side_name in (FOLLOWED, PAIRED, FIXED))
+                             scaled=side_name in SCALED)
     if MATCHED in table:
         held = [r for r in rows if r["seed"] > 0]
         lines += [f"## `{MATCHED}`: steps matched to the real engines' own in the seed-0 runs", "",
@@ -263,7 +264,7 @@ def report(out: Path, meta: dict[str, Any]) -> str:
         lines += ranking_lines(held, table_held, MATCHED)
         lines += steps_lines(held, int(meta.get("replicas", 2)), MATCHED, meta.get("replica_model_together"),
                              scaled=True)
-    simulated = [n for n in (*CALIBRATIONS.values(), FOLLOWED, PAIRED, FIXED, MATCHED) if n in table]
+    simulated = [n for n in (*CALIBRATIONS.values(), *SCALED, MATCHED) if n in table]
     lines += ttft_lines(rows, ["real", *simulated])
     lines += twin_lines(rows, simulated)
     lines += outside_lines(rows, ["real", *simulated])
@@ -426,7 +427,7 @@ def plot(table: dict[str, dict[str, Any]], paths: Sequence[Path]) -> list[str]:
     figure of `GOALS`: its band shaded about the diagonal, the side's median error as "The goals" gives it in the
     title). Returns the sides drawn, top to bottom."""
     real = table.get("real", {})
-    sides = [n for n in (*CALIBRATIONS.values(), FOLLOWED, PAIRED, FIXED) if n in table
+    sides = [n for n in (*CALIBRATIONS.values(), *SCALED) if n in table
              and any(not p.startswith("chat") and p in table[n] for p in real)]
     if not sides:
         return []
