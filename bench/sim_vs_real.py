@@ -35,7 +35,10 @@ One command:
    machine's speed and a test of everything else the simulator does (scheduling, batching, chunked prefill,
    routing, tails). With `--fixed-speed median|SCALE`, a side "sim-fixed": the "together" calibration, every run of a
    workload at one factor (SCALE, or the median of the factors the paired twins run at), so the policies are
-   compared with the machine's speed held where each real run had its own;
+   compared with the machine's speed held where each real run had its own. The factors read from real runs
+   (matched, paired, fixed at the median) are divided by what the same reading gives on the "together" side's
+   simulated engines at scale 1 (`overcounts`, about 1.04): a run's busy time holds its requests' front end, where
+   no step is under way, and a twin scaled by the raw reading would add its own front end again;
 7. the real side's first run is run `--repeats` more times (side "real-repeat", other prompts of the same
    lengths), spread over the real side's series: how far an identical schedule moves on the real replicas, the
    floor under every error against the simulator (on this shared 2-core machine, 10 identical sharegpt runs at
@@ -84,7 +87,8 @@ from .engine_speed import counters, read_sync
 from .sim_vs_real_calibration import MODEL, PREFILL_COST, calibrate, measure_prefill_cost, profile_round, profiled
 from .sim_vs_real_report import (CALIBRATIONS, CHAT_POLICIES, DEFAULT, FIXED, FOLLOWED, MATCHED, PAIRED, POLICIES,
                                  REPEAT, SCALED, Run, done_runs, plot, report, summarize)
-from .sim_vs_real_steps import decoding_context, fixed_scales, matched_scale, run_scale, warmup_scale
+from .sim_vs_real_steps import (decoding_context, fixed_scales, matched_scale, net_of, overcounts, run_scale,
+                                warmup_scale)
 from .sim_vs_real_ttft import COUNTERS as TTFT_COUNTERS
 from .sim_vs_real_ttft import ttft_parts
 from .way_out_probe import WAY_OUT_PROBE, fit_way_out, load, probe_outside, record
@@ -525,12 +529,18 @@ def measure(setup: Setup) -> None:
                 if probed and "model" not in probed:  # the model with its way out, probed as the plain one was
                     probed["model"] = [asdict(r) for r in probe_outside(urls[0])]
                     meta_path.write_text(json.dumps(meta, indent=1))
+                if side_name in (MATCHED, PAIRED, FIXED) and "overcount" not in meta:  # the together runs are done
+                    meta["overcount"] = overcounts(list(done.values()), len(real), meta["replica_model_together"],
+                                                   CALIBRATIONS["together"])
+                    meta_path.write_text(json.dumps(meta, indent=1))
                 if side_name == MATCHED and "matched_scale" not in meta:
-                    meta["matched_scale"] = warmup_scale(list(done.values()), len(real), meta["replica_model_together"])
+                    meta["matched_scale"] = net_of(warmup_scale(list(done.values()), len(real),
+                                                                meta["replica_model_together"]), meta["overcount"])
                     meta_path.write_text(json.dumps(meta, indent=1))
                 if side_name == FIXED and "fixed_scale" not in meta:
-                    meta["fixed_scale"] = fixed_scales(list(done.values()), len(real), meta["replica_model_together"],
-                                                       str(setup.fixed_speed))
+                    scales = fixed_scales(list(done.values()), len(real), meta["replica_model_together"],
+                                          str(setup.fixed_speed))  # a given factor is the steps' own: not netted
+                    meta["fixed_scale"] = net_of(scales, meta["overcount"]) if setup.fixed_speed == "median" else scales
                     meta_path.write_text(json.dumps(meta, indent=1))
             spinning: AbstractContextManager[list[int]] = nullcontext([])
             if setup.cpu_twin and side_name != "real":
@@ -567,7 +577,8 @@ def measure(setup: Setup) -> None:
                         twin = done[replace(run, side="real").key]
                         pace["scale"] = (twin["engine_speed"]["ms_a_step"] / meta["speed_ref"]["ms_a_step"]
                                          if side_name == FOLLOWED else
-                                         run_scale(twin, len(real), meta["replica_model_together"]))
+                                         net_of({run.workload: run_scale(twin, len(real), meta["replica_model_together"])},
+                                                meta["overcount"])[run.workload])
                     if "scale" in pace:
                         set_scale(urls, pace["scale"])
                     row = {**run_point(run, side, rate, duration, tokenizer, hash_text(run.key.split("/", 1)[1]),

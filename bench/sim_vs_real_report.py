@@ -232,6 +232,13 @@ def report(out: Path, meta: dict[str, Any]) -> str:
                   f"ms a step right after the calibration; before the real runs, {FOLLOWED}'s scale (that run's "
                   f"reading over this one) {min(scales, default=math.nan):.2f}-{max(scales, default=math.nan):.2f}, "
                   f"median {float(np.median(scales)) if scales else math.nan:.2f}.", ""]
+    if "overcount" in meta and any(n in table for n in (PAIRED, FIXED, MATCHED)):
+        lines += ["The scales read from real runs (`sim-paired`'s, `sim-fixed`'s median, `sim-matched`'s) are netted "
+                  "of what the step measurement adds on simulated engines at scale 1: the median over "
+                  f"`{CALIBRATIONS['together']}`'s runs of their measured step over the model, "
+                  + ", ".join(f"{w} {v:.3f} x" for w, v in sorted(meta["overcount"].items()))
+                  + ". A run's busy time holds its requests' front end and way out, where no step is under way: a "
+                  "real run's reading holds them, and a twin scaled by it adds its own.", ""]
     for side_name in (n for n in (*CALIBRATIONS.values(), *SCALED) if n in table):
         if side_name == PAIRED:
             scales = [r["scale"] for r in rows if r["side"] == PAIRED and "scale" in r]
@@ -318,7 +325,7 @@ def fixed_lines(rows: Sequence[dict[str, Any]], table: dict[str, dict[str, Any]]
              "The together model, every run's steps scaled by one factor per workload ("
              + ", ".join(f"{w} {v:.2f} x" for w, v in sorted(scales.items())) + "): the same schedules with the "
              "machine's speed held, where the real runs and `sim-paired` each ran at their own. p99 TTFT in ms "
-             "pooled over seeds; the real twins' step speeds over the model, min-max:", ""]
+             "pooled over seeds; the scales `sim-paired` ran the real twins at, min-max:", ""]
     twins: dict[tuple[str, str], list[float]] = {}
     for r in rows:
         if r["side"] == PAIRED and "scale" in r:
@@ -333,7 +340,7 @@ def fixed_lines(rows: Sequence[dict[str, Any]], table: dict[str, dict[str, Any]]
             body.append([point, policy, *(f"{table[s][point][policy]['ttft_p99']:.0f}"
                                           if policy in table[s].get(point, {}) else "" for s in sides),
                          f"{min(speeds):.2f}-{max(speeds):.2f}" if speeds else ""])
-    lines += [markdown_table(["point", "policy", *sides, "real twins' speed"], body), ""]
+    lines += [markdown_table(["point", "policy", *sides, "paired scale"], body), ""]
     single = {pt: {p: v["ttft_p99"] for p, v in by.items()} for pt, by in table.get(FIXED, {}).items()
               if not pt.startswith("chat") and DEFAULT in by}
     if single:

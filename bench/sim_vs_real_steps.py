@@ -216,6 +216,28 @@ def fixed_scales(rows: Sequence[dict[str, Any]], replicas: int, model_path: str,
     return ratios
 
 
+def overcounts(rows: Sequence[dict[str, Any]], replicas: int, model_path: str, side: str) -> dict[str, float]:
+    """Per single-turn workload, how far `step_ratio` reads above 1 on simulated engines at scale 1 (`side`, the
+    together calibration's runs), whose every step is the model's: the median over that side's runs. The busy time
+    it divides by the steps also holds each request's front end and way out, where no step is under way (1.03-1.06
+    x on 2026-12-01's runs). A real run's ratio holds the same share, and a twin scaled by it adds its own front end
+    on top: its steps ran that much slower than its real twin's. The scales read from real runs (`--pair-steps`,
+    `--fixed-speed median`, `--match-steps`) are divided by this."""
+    model = ReplicaModel.load(model_path)
+    ratios: dict[str, list[float]] = {}
+    for r in rows:
+        if r["side"] == side and r["workload"] != "chat" and (ratio := step_ratio(r, replicas, model)) is not None:
+            ratios.setdefault(r["workload"], []).append(ratio / float(r.get("scale", 1.0)))
+    return {workload: float(np.median(v)) for workload, v in sorted(ratios.items())}
+
+
+def net_of(scales: dict[str, float], over: dict[str, float]) -> dict[str, float]:
+    """Each workload's scale over its overcount (`overcounts`); an error naming a workload without one."""
+    if missing := [w for w in scales if w not in over]:
+        raise ValueError(f"no simulated run at scale 1 of {', '.join(missing)} to net the step measurement of")
+    return {w: s / over[w] for w, s in scales.items()}
+
+
 def matched_scale(scales: float | dict[str, float], workload: str) -> float:
     """The factor `warmup_scale` found for `workload` (run directories before 2026-11-27: one for all)."""
     if isinstance(scales, dict):

@@ -679,6 +679,11 @@ def test_the_fixed_side_runs_every_run_of_a_workload_at_one_speed(
     assert "| mix/poisson/0.5 | round_robin | 40 | 42 | 31 | 1.30-1.30 |" in text
     section = text.split(f"Item 3's rule on `{FIXED}`:")[1]
     assert "Over 1 point: prefix_affinity, round_robin meet it." in section.split("##")[0]
+    assert "are netted of what the step measurement adds" not in text  # a run directory from before the netting
+    text = report(tmp_path, {"capacity_real_mix": 18.0, "replica_model_together": str(path),
+                             "fixed_scale": {"mix": 1.2}, "overcount": {"mix": 1.04}})
+    assert "are netted of what the step measurement adds on simulated engines at scale 1" in text
+    assert "the median over `sim-together`'s runs of their measured step over the model, mix 1.040 x." in text
 
 
 def test_run_by_run_sets_each_real_run_by_its_speed_and_correlates_its_tail_with_it(tmp_path: Path) -> None:
@@ -710,3 +715,25 @@ def test_run_by_run_sets_each_real_run_by_its_speed_and_correlates_its_tail_with
     text = "\n".join(run_by_run_lines(within, 2, str(path)))
     assert "| mix/poisson/0.5 | 3 | -0.50 | -0.50 | 0 of 1 |" in text
     assert run_by_run_lines(rows, 2, None) == []
+
+
+def test_the_scales_read_from_real_runs_are_netted_of_what_the_measurement_adds_on_a_simulated_engine(
+        tmp_path: Path) -> None:
+    """The step measurement (busy time / steps) reads 10 ms on simulated engines at scale 1 whose model gives 9.0:
+    it adds 1.11 x, the front end's time between steps; a simulated run at scale 1.5 reading 15 ms adds the same.
+    Real runs, chat runs and other sides do not count; a scale read from a real run is divided by it, per workload,
+    and a workload with no simulated run at scale 1 is an error naming it."""
+    from bench.sim_vs_real_steps import net_of, overcounts
+
+    path = tmp_path / "replica.json"
+    path.write_text(MODEL.to_json())
+    at_one = _stepped("sim-together", 2000, 16000, 20000)
+    scaled = {**at_one, "scale": 1.5, "engine": {**at_one["engine"], "span_s": 15.0}}
+    rows = [at_one, scaled, {**at_one, "side": "real", "engine": {**at_one["engine"], "span_s": 20.0}},
+            {**at_one, "workload": "chat", "engine": {**at_one["engine"], "span_s": 20.0}},
+            {**at_one, "side": "sim-paired", "engine": {**at_one["engine"], "span_s": 20.0}}]
+    over = overcounts(rows, 2, str(path), "sim-together")
+    assert over == {"sharegpt": pytest.approx(10 / 9)}
+    assert net_of({"sharegpt": 1.5}, over) == {"sharegpt": pytest.approx(1.5 * 0.9)}
+    with pytest.raises(ValueError, match="no simulated run at scale 1 of mix"):
+        net_of({"mix": 1.2, "sharegpt": 1.5}, over)
