@@ -217,7 +217,7 @@ def fixed_scales(rows: Sequence[dict[str, Any]], replicas: int, model_path: str,
 
 
 def overcounts(rows: Sequence[dict[str, Any]], replicas: int, model_path: str, side: str) -> dict[str, float]:
-    """Per single-turn workload, how far `step_ratio` reads above 1 on simulated engines at scale 1 (`side`, the
+    """Per workload (chat too), how far `step_ratio` reads above 1 on simulated engines at scale 1 (`side`, the
     together calibration's runs), whose every step is the model's: the median over that side's runs. The busy time
     it divides by the steps also holds each request's front end and way out, where no step is under way (1.03-1.06
     x on 2026-12-01's runs). A real run's ratio holds the same share, and a twin scaled by it adds its own front end
@@ -226,7 +226,7 @@ def overcounts(rows: Sequence[dict[str, Any]], replicas: int, model_path: str, s
     model = ReplicaModel.load(model_path)
     ratios: dict[str, list[float]] = {}
     for r in rows:
-        if r["side"] == side and r["workload"] != "chat" and (ratio := step_ratio(r, replicas, model)) is not None:
+        if r["side"] == side and (ratio := step_ratio(r, replicas, model)) is not None:
             ratios.setdefault(r["workload"], []).append(ratio / float(r.get("scale", 1.0)))
     return {workload: float(np.median(v)) for workload, v in sorted(ratios.items())}
 

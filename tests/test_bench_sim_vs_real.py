@@ -721,8 +721,8 @@ def test_the_scales_read_from_real_runs_are_netted_of_what_the_measurement_adds_
         tmp_path: Path) -> None:
     """The step measurement (busy time / steps) reads 10 ms on simulated engines at scale 1 whose model gives 9.0:
     it adds 1.11 x, the front end's time between steps; a simulated run at scale 1.5 reading 15 ms adds the same.
-    Real runs, chat runs and other sides do not count; a scale read from a real run is divided by it, per workload,
-    and a workload with no simulated run at scale 1 is an error naming it."""
+    Real runs and other sides do not count; chat has its own; a scale read from a real run is divided by it, per
+    workload, and a workload with no simulated run at scale 1 is an error naming it."""
     from bench.sim_vs_real_steps import net_of, overcounts
 
     path = tmp_path / "replica.json"
@@ -733,7 +733,7 @@ def test_the_scales_read_from_real_runs_are_netted_of_what_the_measurement_adds_
             {**at_one, "workload": "chat", "engine": {**at_one["engine"], "span_s": 20.0}},
             {**at_one, "side": "sim-paired", "engine": {**at_one["engine"], "span_s": 20.0}}]
     over = overcounts(rows, 2, str(path), "sim-together")
-    assert over == {"sharegpt": pytest.approx(10 / 9)}
+    assert over == {"chat": pytest.approx(20 / 9), "sharegpt": pytest.approx(10 / 9)}
     assert net_of({"sharegpt": 1.5}, over) == {"sharegpt": pytest.approx(1.5 * 0.9)}
     with pytest.raises(ValueError, match="no simulated run at scale 1 of mix"):
         net_of({"mix": 1.2, "sharegpt": 1.5}, over)
