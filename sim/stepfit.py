@@ -2,8 +2,9 @@
 
 The data (`planner/data/stepdata/`, provenance in each CSV's header) are real vLLM runs: steady-state engine
 windows of OPT-1.3B to Llama-2-13B on an H100 64 GB (vLLM 0.5.2), whole-batch latencies of 7-8B models on an
-A100 40 GB, an H100 80 GB and a GH200, and this project's own closed loops of OPT-1.3B and Qwen3-1.7B on an H200
-(vLLM 0.26.0, docs/bench/gpu/). Each measurement is turned into the engine steps it consisted of (so many
+A100 40 GB, an H100 80 GB and a GH200, Qwen's published single-request speeds of Qwen2.5-0.5B to -14B on an A100 80
+GB (vLLM 0.6.3), and this project's own closed loops of OPT-1.3B and Qwen3-1.7B on an H200 (vLLM 0.26.0,
+docs/bench/gpu/). Each measurement is turned into the engine steps it consisted of (so many
 prefill steps of this size, so many decode steps of that batch and context), and the model prices every step as
 `sim/steptime.py` does, with four constants per GPU:
 
@@ -44,9 +45,12 @@ DATA_DIR = Path(__file__).resolve().parent.parent / "planner" / "data" / "stepda
 BSC_FILE = "bsc-vllm052-h100-64gb.csv"
 ARGONNE_FILE = "argonne-vllm-e2e.csv"
 OWN_FILE = "own-vllm026-h200.csv"  # this project's own GPU runs (vLLM 0.26.0 on an H200), not a public source
-# GH200 (Grace Hopper, 96 GB HBM3 part): 4.0 TB/s, the H100's 989 TFLOP/s dense bf16. Not in sim/gpus.py because
-# only this fit uses it.
-EXTRA_GPUS = {"GH200": GpuSpec("GH200", 96 * GIB, 4.0e12, 989e12)}
+QWEN_FILE = "qwen-vllm063-a100-80gb.csv"
+# GH200 (Grace Hopper, 96 GB HBM3 part): 4.0 TB/s, the H100's 989 TFLOP/s dense bf16. A100 80 GB (SXM4: 2.039 TB/s
+# HBM2e, 312 TFLOP/s; the Qwen source does not say SXM or PCIe, whose 1.935 TB/s the fitted bandwidth absorbs). Not
+# in sim/gpus.py because only this fit uses them.
+EXTRA_GPUS = {"GH200": GpuSpec("GH200", 96 * GIB, 4.0e12, 989e12),
+              "A100-80GB": GpuSpec("A100-80GB", 80 * GIB, 2.039e12, 312e12)}
 DECODE_BINS = 16  # a batch's decode steps are priced at this many context lengths (midpoints); exact while linear
 HUBER_DELTA = 0.05
 PREFILL_BUDGET_CAP = 32768  # vLLM caps max_num_batched_tokens by max_model_len; long-context models chunk
@@ -158,14 +162,20 @@ def bsc_steps(row: dict[str, str]) -> tuple[Steps, ...]:
 def argonne_steps(spec: ModelSpec, batch: int, io_len: int) -> tuple[Steps, ...]:
     """One offline batch: B prompts of L tokens prefilled (as many per step as the token budget allows), then L-1
     decode steps of B sequences whose context grows from L+1 to 2L-1."""
+    return batch_steps(spec, batch, io_len, io_len)
+
+
+def batch_steps(spec: ModelSpec, batch: int, prompt: int, out: int) -> tuple[Steps, ...]:
+    """One offline batch: B prompts of P tokens prefilled (as many per step as the token budget allows), then O-1
+    decode steps of B sequences whose context grows from P+1 to P+O-1 (the prefill gave each its first token)."""
     budget = max(min(spec.max_model_len, PREFILL_BUDGET_CAP), 2048)
-    per_step = max(1, budget // io_len)
+    per_step = max(1, budget // prompt)
     full, rest = divmod(batch, per_step)
-    steps = [Steps(full, per_step * io_len, per_step, 0.0, per_step * io_len * (io_len + 1) / 2, per_step)]
+    steps = [Steps(full, per_step * prompt, per_step, 0.0, per_step * prompt * (prompt + 1) / 2, per_step)]
     if rest:
-        steps.append(Steps(1, rest * io_len, rest, 0.0, rest * io_len * (io_len + 1) / 2, rest))
-    n_dec = io_len - 1
-    edges = np.linspace(io_len + 1, 2 * io_len, DECODE_BINS + 1)
+        steps.append(Steps(1, rest * prompt, rest, 0.0, rest * prompt * (prompt + 1) / 2, rest))
+    n_dec = out - 1
+    edges = np.linspace(prompt + 1, prompt + out, DECODE_BINS + 1)
     for lo, hi in zip(edges[:-1], edges[1:]):
         ctx = (lo + hi) / 2
         steps.append(Steps(n_dec / DECODE_BINS, batch, batch, batch * ctx, batch * ctx, batch))
@@ -271,12 +281,22 @@ def load_own(path: Path, data_dir: Path = DATA_DIR) -> list[Measurement]:
                         specs[r["model"]]) for r, loop in loops]
 
 
+def load_qwen(path: Path, data_dir: Path = DATA_DIR) -> list[Measurement]:
+    """Qwen's published vLLM speeds: one request of P prompt tokens generating O tokens, its time O / speed."""
+    _, rows = read_csv(path)
+    specs = {name: model_spec(name, data_dir) for name in {r["model"] for r in rows}}
+    return [Measurement("qwen", r["gpu"], r["model"], f"B=1 P={r['input_len']}",
+                        int(r["output_len"]) / float(r["speed_tok_s"]),
+                        batch_steps(specs[r["model"]], 1, int(r["input_len"]), int(r["output_len"])), specs[r["model"]])
+            for r in rows]
+
+
 def load_all(data_dir: Path = DATA_DIR) -> list[Measurement]:
-    """Every measurement of the three sources; argonne rows longer than the model's context (vLLM rejects them at
+    """Every measurement of the four sources; argonne rows longer than the model's context (vLLM rejects them at
     once) or that would preempt are left out. Rows on a kernel the model does not describe are kept, marked
     `outside`."""
     return (load_bsc(data_dir / BSC_FILE, data_dir) + load_argonne(data_dir / ARGONNE_FILE, data_dir)
-            + load_own(data_dir / OWN_FILE, data_dir))
+            + load_qwen(data_dir / QWEN_FILE, data_dir) + load_own(data_dir / OWN_FILE, data_dir))
 
 
 def described(measurements: Iterable[Measurement]) -> list[Measurement]:

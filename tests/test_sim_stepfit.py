@@ -23,7 +23,7 @@ def measurements() -> list[Measurement]:
     return stepfit.load_all()
 
 
-@pytest.mark.parametrize("name", [stepfit.BSC_FILE, stepfit.ARGONNE_FILE])
+@pytest.mark.parametrize("name", [stepfit.BSC_FILE, stepfit.ARGONNE_FILE, stepfit.QWEN_FILE])
 def test_every_data_file_says_where_it_comes_from(name: str) -> None:
     """Each CSV's header names its source repository, commit, GPU, engine and version, and every column."""
     header, rows = stepfit.read_csv(DATA / name)
@@ -74,7 +74,9 @@ def test_data_cover_five_models_from_1b_to_13b_on_several_gpus(measurements: lis
 
 
 @pytest.mark.parametrize("name, card", [("llama-2-7b", 6.74e9), ("llama-2-13b", 13.0e9), ("llama-3-8b", 8.03e9),
-                                        ("mistral-7b", 7.24e9), ("qwen2-7b", 7.62e9), ("opt-6.7b", 6.7e9)])
+                                        ("mistral-7b", 7.24e9), ("qwen2-7b", 7.62e9), ("opt-6.7b", 6.7e9),
+                                        ("qwen2.5-0.5b", 0.49e9), ("qwen2.5-1.5b", 1.54e9), ("qwen2.5-3b", 3.09e9),
+                                        ("qwen2.5-7b", 7.61e9), ("qwen2.5-14b", 14.7e9)])
 def test_added_configs_match_the_model_cards(name: str, card: float) -> None:
     """The parameter count computed from each added config.json is the model card's, to 2%."""
     assert stepfit.model_spec(name).params == pytest.approx(card, rel=0.02)
@@ -179,9 +181,13 @@ def test_only_mistrals_long_large_batches_are_outside_and_they_are_neither_fitte
 
 def test_held_out_errors_on_the_real_data(measurements: list[Measurement]) -> None:
     """On the public measurements, every held-out model on every GPU is within 15% on average over the points the
-    model describes; the points outside (Mistral-7B's V1 decode) are under-predicted (docs/sim.md says why)."""
+    model describes, but two at the ends of Qwen's A100 80 GB series (batch 1 only): the 0.49B, over-predicted by
+    more than 25% (its narrow layers take less host time a step than the wider models' fit gives), and the 14.8B,
+    by 15-25%; the points outside (Mistral-7B's V1 decode) are under-predicted (docs/sim.md says why)."""
     held = stepfit.leave_one_model_out(measurements)
-    assert len(held) == 22 and all(h.mean_abs <= 0.15 for h in held)
+    missed = {(h.gpu, h.model): h for h in held if h.mean_abs > 0.15}
+    assert len(held) == 27 and set(missed) == {("A100-80GB", "qwen2.5-0.5b"), ("A100-80GB", "qwen2.5-14b")}
+    assert missed["A100-80GB", "qwen2.5-0.5b"].bias > 0.25 and 0.15 < missed["A100-80GB", "qwen2.5-14b"].bias < 0.25
     assert all(e < 0 for h in held for e in h.outside)
     bsc = [m for m in measurements if m.gpu == "H100-64GB"]
     constants = stepfit.fit_per_gpu(bsc)["H100-64GB"]
@@ -209,7 +215,8 @@ def test_the_report_prints_the_table() -> None:
     text = stepfit.report(Path(DATA))
     assert "Leave one model out" in text and "| H100-64GB | llama-2-13b |" in text
     assert "| A100-40GB | llama-3-8b |" in text
-    assert "within 15% (mean abs error): 22 of 22" in text and "| H200 | qwen3-1.7b |" in text
+    assert "within 15% (mean abs error): 25 of 27" in text and "| H200 | qwen3-1.7b |" in text
+    assert "| A100-80GB | qwen2.5-0.5b | 0.49 B | 4 |" in text
     assert "| H100-80GB | mistral-7b | 6 |" in text
     bsc = stepfit.load_bsc(DATA / stepfit.BSC_FILE)
     assert stepfit.format_outside(stepfit.leave_one_model_out(bsc)) == "none"  # no model outside
@@ -236,3 +243,23 @@ def test_a_host_time_by_layers_is_recovered_and_on_real_data_helps_the_small_mod
     assert held_out("H100-64GB", "opt-1.3b", True) < 0.06 < 0.10 < held_out("H100-64GB", "opt-1.3b", False)
     assert held_out("H100-64GB", "opt-2.7b", True) < 0.05 < held_out("H100-64GB", "opt-2.7b", False)
     assert held_out("H100-80GB", "qwen2-7b", True) > held_out("H100-80GB", "qwen2-7b", False) + 0.02
+    # Qwen2.5's A100 80 GB series (24 to 48 layers): by layers, the 14.8B comes within 15%, the 0.49B does not
+    assert held_out("A100-80GB", "qwen2.5-14b", True) < 0.15 < held_out("A100-80GB", "qwen2.5-14b", False)
+    assert 0.15 < held_out("A100-80GB", "qwen2.5-0.5b", True) < held_out("A100-80GB", "qwen2.5-0.5b", False)
+
+
+def test_qwens_speeds_are_one_request_each_a_prefill_and_its_decode_steps() -> None:
+    """Qwen's A100 80 GB rows (vLLM 0.6.3, batch 1, 2048 tokens generated): each a time of 2048 / speed, one prefill
+    step of the whole prompt (the budget is max_model_len, 32768) and 2047 decode steps whose context runs from P + 1
+    to P + 2047. An argonne batch is the same with P = O = L."""
+    rows = stepfit.load_qwen(DATA / stepfit.QWEN_FILE)
+    assert len(rows) == 20 and {m.gpu for m in rows} == {"A100-80GB"}
+    first = next(m for m in rows if m.model == "qwen2.5-0.5b" and m.label == "B=1 P=1")
+    assert first.measured_s == pytest.approx(2048 / 311.55)
+    long = next(m for m in rows if m.model == "qwen2.5-0.5b" and m.label == "B=1 P=30720")
+    prefill, *decode = long.steps
+    assert prefill.count == 1 and prefill.new_tokens == 30720 and prefill.sampled == 1
+    assert sum(s.count for s in decode) == pytest.approx(2047)
+    assert min(s.kv_read for s in decode) > 30720 and max(s.kv_read for s in decode) < 30720 + 2048
+    spec = stepfit.model_spec("llama-2-7b")
+    assert stepfit.argonne_steps(spec, 16, 512) == stepfit.batch_steps(spec, 16, 512, 512)

@@ -2,6 +2,7 @@
 and the H200 file from this project's own GPU runs.
 
     python planner/data/stepdata/extract.py BSC_GIT_DIR ARGONNE_GIT_DIR
+    python planner/data/stepdata/extract.py qwen QWEN_GIT_DIR
     python planner/data/stepdata/extract.py own docs/bench/gpu
 
 Each argument is a clone (or bare git directory) of the repository named in the CSV's header, at the commit named
@@ -29,6 +30,10 @@ ARGONNE_MODELS = {"meta-llama/Llama-2-7b-hf": "llama-2-7b", "meta-llama/Meta-Lla
                   "Qwen/Qwen1.5-7B": "qwen1.5-7b", "huggyllama/llama-7b": "llama-7b", "facebook/opt-6.7b": "opt-6.7b"}
 ARGONNE_GPUS = {"Nvidia A100 GPU": "A100-40GB", "Nvidia H100 GPU": "H100-80GB", "Nvidia GH200 GPU": "GH200"}
 OWN_FILE = "own-vllm026-h200.csv"
+QWEN_FILE = "qwen-vllm063-a100-80gb.csv"
+QWEN_COMMIT = "010c37c33b13a1ac59944b349620e13404efe97d"
+QWEN_DOC = "docs/source/benchmark/speed_benchmark.rst"
+QWEN_OUTPUT = 2048  # "generating 2048 tokens" (the document's notes)
 
 
 def write_keeping_header(path: Path, rows: list[list[str]]) -> None:
@@ -157,9 +162,38 @@ def write_own(root: Path) -> None:
     print(f"{path}: {len(out) - 1} rows")
 
 
+def qwen_rows(text: str) -> list[list[str]]:
+    """The BF16 rows on one GPU at the default setting of each "- NB (vLLM)" grid table of Qwen's speed benchmark:
+    [model, input length, speed]. A blank cell repeats the one above it (a spanning cell); rows with a note (another
+    setting, another vLLM) are left out."""
+    rows, section, model, length = [], False, "", ""
+    for line in text.splitlines():
+        if re.match(r"^-\s+\S+\s+\(", line):
+            section, model, length = line.rstrip().endswith("(vLLM)"), "", ""
+        elif section and line.startswith("|") and not line.startswith("| Model"):
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            model, length = cells[0] or model, cells[1] or length
+            note = cells[5] if len(cells) > 5 else ""
+            if cells[2] == "BF16" and cells[3] == "1" and not note:
+                rows.append([model, length, cells[4]])
+    return rows
+
+
+def write_qwen(repo: Path) -> None:
+    out = [["gpu", "model", "hub_id", "input_len", "output_len", "batch", "speed_tok_s"]]
+    for hub, length, speed in qwen_rows(git_show(repo, QWEN_COMMIT, QWEN_DOC)):
+        name = "qwen2.5-" + hub.removeprefix("Qwen2.5-").removesuffix("-Instruct").lower()
+        out.append(["A100-80GB", name, f"Qwen/{hub}", length, str(QWEN_OUTPUT), "1", speed])
+    path = HERE / QWEN_FILE
+    write_keeping_header(path, out)
+    print(f"{path}: {len(out) - 1} rows")
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "own":
         write_own(Path(sys.argv[2]))
+    elif sys.argv[1] == "qwen":
+        write_qwen(Path(sys.argv[2]))
     else:
         write_bsc(Path(sys.argv[1]))
         write_argonne(Path(sys.argv[2]))
