@@ -37,8 +37,8 @@ One command:
    workload at one factor (SCALE, or the median of the factors the paired twins run at), so the policies are
    compared with the machine's speed held where each real run had its own. The factors read from real runs
    (matched, paired, fixed at the median) are divided by what the same reading gives on the "together" side's
-   simulated engines at scale 1 (`overcounts`, about 1.04): a run's busy time holds its requests' front end, where
-   no step is under way, and a twin scaled by the raw reading would add its own front end again;
+   simulated engines at scale 1 (`overcounts`: 1.042 on ShareGPT-like lengths, where a run's busy time holds its
+   requests' front end, outside any step, and a twin scaled by the raw reading added its own again; 0.966 on `mix`);
 7. the real side's first run is run `--repeats` more times (side "real-repeat", other prompts of the same
    lengths), spread over the real side's series: how far an identical schedule moves on the real replicas, the
    floor under every error against the simulator (on this shared 2-core machine, 10 identical sharegpt runs at
@@ -575,10 +575,11 @@ def measure(setup: Setup) -> None:
                         pace["scale"] = meta["fixed_scale"][run.workload]
                     elif side_name in (FOLLOWED, PAIRED):  # each run at a speed read from its real twin
                         twin = done[replace(run, side="real").key]
-                        pace["scale"] = (twin["engine_speed"]["ms_a_step"] / meta["speed_ref"]["ms_a_step"]
-                                         if side_name == FOLLOWED else
-                                         net_of({run.workload: run_scale(twin, len(real), meta["replica_model_together"])},
-                                                meta["overcount"])[run.workload])
+                        if side_name == FOLLOWED:
+                            pace["scale"] = twin["engine_speed"]["ms_a_step"] / meta["speed_ref"]["ms_a_step"]
+                        else:  # its twin's reading, netted of what the reading gives at scale 1 (overcounts)
+                            read = {run.workload: run_scale(twin, len(real), meta["replica_model_together"])}
+                            pace["scale"] = net_of(read, meta["overcount"])[run.workload]
                     if "scale" in pace:
                         set_scale(urls, pace["scale"])
                     row = {**run_point(run, side, rate, duration, tokenizer, hash_text(run.key.split("/", 1)[1]),

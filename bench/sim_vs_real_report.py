@@ -237,8 +237,9 @@ def report(out: Path, meta: dict[str, Any]) -> str:
                   "of what the step measurement adds on simulated engines at scale 1: the median over "
                   f"`{CALIBRATIONS['together']}`'s runs of their measured step over the model, "
                   + ", ".join(f"{w} {v:.3f} x" for w, v in sorted(meta["overcount"].items()))
-                  + ". A run's busy time holds its requests' front end and way out, where no step is under way: a "
-                  "real run's reading holds them, and a twin scaled by it adds its own.", ""]
+                  + ". A run's busy time holds its requests' front end and way out, where no step is under way, and "
+                  "the model is priced at its mean batch and context: a real run's reading holds the same bias, and "
+                  "a twin scaled by it adds its own front end again.", ""]
     for side_name in (n for n in (*CALIBRATIONS.values(), *SCALED) if n in table):
         if side_name == PAIRED:
             scales = [r["scale"] for r in rows if r["side"] == PAIRED and "scale" in r]

@@ -217,12 +217,13 @@ def fixed_scales(rows: Sequence[dict[str, Any]], replicas: int, model_path: str,
 
 
 def overcounts(rows: Sequence[dict[str, Any]], replicas: int, model_path: str, side: str) -> dict[str, float]:
-    """Per workload (chat too), how far `step_ratio` reads above 1 on simulated engines at scale 1 (`side`, the
-    together calibration's runs), whose every step is the model's: the median over that side's runs. The busy time
-    it divides by the steps also holds each request's front end and way out, where no step is under way (1.03-1.06
-    x on 2026-12-01's runs). A real run's ratio holds the same share, and a twin scaled by it adds its own front end
-    on top: its steps ran that much slower than its real twin's. The scales read from real runs (`--pair-steps`,
-    `--fixed-speed median`, `--match-steps`) are divided by this."""
+    """Per workload (chat too), what `step_ratio` reads on simulated engines at scale 1 (`side`, the together
+    calibration's runs), whose every step is the model's: the median over that side's runs, the reading's own bias.
+    The busy time it divides by the steps also holds each request's front end and way out, where no step is under
+    way, and it prices the model at a run's mean batch and context, not step by step: on 2026-12-01's runs 1.042 on
+    ShareGPT-like lengths, 0.966 on `mix`. A real run's reading holds the same bias, and a twin scaled by it adds its
+    own front end again (ShareGPT's paired twins ran their steps 4% slow). The scales read from real runs
+    (`--pair-steps`, `--fixed-speed median`, `--match-steps`) are divided by this."""
     model = ReplicaModel.load(model_path)
     ratios: dict[str, list[float]] = {}
     for r in rows:
