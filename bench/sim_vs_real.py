@@ -631,10 +631,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--pair-steps", action="store_true", help="add a side sim-paired: the together "
                         "calibration, each run's steps scaled to its own real twin's (an oracle for the machine's "
                         "speed, a test of everything else)")
-    parser.add_argument("--fixed-speed", type=fixed_speed_option, metavar="median|SCALE", help="add a side sim-fixed: the together "
-                        "calibration, every run's steps scaled by one factor per workload: SCALE, or median (the "
-                        "median of the factors --pair-steps runs the real runs' twins at). The policies compared "
-                        "with the machine's speed held, where each real run had its own")
+    parser.add_argument("--fixed-speed", type=fixed_speed_option, metavar="median|SCALE",
+                        help="add a side sim-fixed: the together calibration, every run's steps scaled by one "
+                        "factor per workload: SCALE, or median (the median of the factors --pair-steps runs the real "
+                        "runs' twins at). The policies compared with the machine's speed held, where each real run "
+                        "had its own")
     parser.add_argument("--cpu-twin", action="store_true", help="run every simulated side beside processes that "
                         "spin for as many cores as the real replicas used (their median over the real runs), at "
                         "the replicas' priority: the machine shared alike on both sides (bench/cpu_twin.py)")

@@ -192,14 +192,16 @@ def warmup_scale(rows: Sequence[dict[str, Any]], replicas: int, model_path: str)
     return ratios
 
 
-def median_step_ratios(rows: Sequence[dict[str, Any]], replicas: int, model_path: str) -> dict[str, float]:
-    """Per single-turn workload, the median over its real runs of `step_ratio` (workloads whose runs have no
-    vLLM counters are absent)."""
+def median_step_ratios(rows: Sequence[dict[str, Any]], replicas: int, model_path: str, side: str = "real",
+                       chat: bool = False) -> dict[str, float]:
+    """Per workload (single-turn only unless `chat`), the median over `side`'s runs of `step_ratio` over the scale
+    each run ran at (real runs: 1); workloads whose runs have no vLLM counters are absent."""
     model = ReplicaModel.load(model_path)
     ratios: dict[str, list[float]] = {}
     for r in rows:
-        if r["side"] == "real" and r["workload"] != "chat" and (ratio := step_ratio(r, replicas, model)) is not None:
-            ratios.setdefault(r["workload"], []).append(ratio)
+        if r["side"] == side and (chat or r["workload"] != "chat") \
+                and (ratio := step_ratio(r, replicas, model)) is not None:
+            ratios.setdefault(r["workload"], []).append(ratio / float(r.get("scale", 1.0)))
     return {workload: float(np.median(v)) for workload, v in sorted(ratios.items())}
 
 
@@ -224,12 +226,7 @@ def overcounts(rows: Sequence[dict[str, Any]], replicas: int, model_path: str, s
     ShareGPT-like lengths, 0.966 on `mix`. A real run's reading holds the same bias, and a twin scaled by it adds its
     own front end again (ShareGPT's paired twins ran their steps 4% slow). The scales read from real runs
     (`--pair-steps`, `--fixed-speed median`, `--match-steps`) are divided by this."""
-    model = ReplicaModel.load(model_path)
-    ratios: dict[str, list[float]] = {}
-    for r in rows:
-        if r["side"] == side and (ratio := step_ratio(r, replicas, model)) is not None:
-            ratios.setdefault(r["workload"], []).append(ratio / float(r.get("scale", 1.0)))
-    return {workload: float(np.median(v)) for workload, v in sorted(ratios.items())}
+    return median_step_ratios(rows, replicas, model_path, side, chat=True)
 
 
 def net_of(scales: dict[str, float], over: dict[str, float]) -> dict[str, float]:
