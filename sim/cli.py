@@ -105,8 +105,8 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--seed", type=int, default=0)
     fit = sub.add_parser("stepfit", help="fit the step-time model to public GPU measurements; held-out errors")
     fit.add_argument("--data", help="folder of the step data (default planner/data/stepdata)")
-    fit.add_argument("--host-by-layers", action="store_true",
-                     help="a step's fixed host time in proportion to the model's layers (tried, not the default)")
+    fit.add_argument("--host-fixed", action="store_true",
+                     help="one fixed host time a step for every model (by default it grows with the model's layers)")
     return parser
 
 
@@ -287,7 +287,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             _calibrate(args)
         elif args.command == "stepfit":
             from .stepfit import main as stepfit
-            stepfit((["--data", args.data] if args.data else []) + (["--host-by-layers"] if args.host_by_layers else []))
+            stepfit((["--data", args.data] if args.data else []) + (["--host-fixed"] if args.host_fixed else []))
         else:
             _run(args)
     except UsageError as exc:

@@ -8,11 +8,15 @@ docs/bench/gpu/). Each measurement is turned into the engine steps it consisted 
 prefill steps of this size, so many decode steps of that batch and context), and the model prices every step as
 `sim/steptime.py` does, with four constants per GPU:
 
-    step_s = host_step_s + host_per_seq_s x seqs + max(bytes / bandwidth, flops / flop_rate)
+    step_s = host_step_s x layers / 32 + host_per_seq_s x seqs + max(bytes / bandwidth, flops / flop_rate)
     bytes  = weights read + KV bytes/token x (tokens of context read + new tokens written)
     flops  = 2 x layer params x new tokens + 2 x lm_head params x sampled + 4 x layers x width x attention pairs
 
-`bandwidth` and `flop_rate` are effective rates (datasheet x efficiency); nothing is per model. Runs whose decode
+`bandwidth` and `flop_rate` are effective rates (datasheet x efficiency); nothing is fitted per model. A step's
+fixed cost grows with the model's layers (kernels launched and run one after another per layer): `host_step_s` is a
+32-layer model's (`--host-fixed`: one time for every model, the form before 2026-12-01; docs/sim.md compares them).
+Where a GPU's data never vary the batch (Qwen's A100 80 GB rows, one request each), a cost per sequence cannot be
+told from one per step: it is not fitted there, but 0. Runs whose decode
 took a kernel that does not stream the KV cache at the card's bandwidth (vLLM V0's PagedAttention V1 over several
 partitions, which V0 used for sliding-window models at large batches) are kept but marked `outside`: not fitted,
 not judged, their errors reported apart. The fit minimizes
@@ -28,7 +32,7 @@ import argparse
 import csv
 import math
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -55,7 +59,7 @@ DECODE_BINS = 16  # a batch's decode steps are priced at this many context lengt
 HUBER_DELTA = 0.05
 PREFILL_BUDGET_CAP = 32768  # vLLM caps max_num_batched_tokens by max_model_len; long-context models chunk
 PARTITION_SIZE = 512  # vLLM V0's PagedAttention V2 splits a context into partitions of this many tokens
-LAYER_REF = 32  # --host-by-layers: host_step_s is a 32-layer model's, and a model's is scaled by its layers
+LAYER_REF = 32  # host_step_s is a 32-layer model's, and a model's is scaled by its layers
 
 
 @dataclass(frozen=True)
@@ -86,26 +90,39 @@ class Measurement:
 
 @dataclass(frozen=True)
 class GpuConstants:
-    """The four fitted constants of one GPU (effective rates, not datasheet ones)."""
+    """The four fitted constants of one GPU (effective rates, not datasheet ones), and the form of the host time."""
 
     bandwidth_bps: float
     flop_rate: float
-    host_step_s: float
+    host_step_s: float  # a `host_layers`-layer model's fixed time a step; every model's where host_layers is 0
     host_per_seq_s: float
+    host_layers: int = LAYER_REF  # 0: one fixed time a step for every model (`sim stepfit --host-fixed`)
 
     @classmethod
-    def from_vector(cls, x: np.ndarray) -> GpuConstants:
-        """From log-space parameters: log TB/s, log PFLOP/s, log ms, log us."""
+    def from_vector(cls, x: np.ndarray, host_layers: int = LAYER_REF) -> GpuConstants:
+        """From log-space parameters: log TB/s, log PFLOP/s, log ms, and log us (absent: no cost per sequence)."""
         e = np.exp(x)
-        return cls(float(e[0]) * 1e12, float(e[1]) * 1e15, float(e[2]) * 1e-3, float(e[3]) * 1e-6)
+        per_seq = float(e[3]) * 1e-6 if len(e) > 3 else 0.0
+        return cls(float(e[0]) * 1e12, float(e[1]) * 1e15, float(e[2]) * 1e-3, per_seq, host_layers)
 
     def vector(self) -> np.ndarray:
         return np.log([self.bandwidth_bps / 1e12, self.flop_rate / 1e15, self.host_step_s * 1e3,
-                       self.host_per_seq_s * 1e6])
+                       max(self.host_per_seq_s, 1e-12) * 1e6])
 
-    def step_cost(self, gpu: GpuSpec) -> StepCost:
-        """The simulator's StepCost for these constants (efficiencies must come out at most 1)."""
-        return StepCost(self.host_step_s, self.host_per_seq_s, self.bandwidth_bps / gpu.bandwidth_bps,
+    def capped(self, gpu: GpuSpec) -> GpuConstants:
+        """At most the datasheet's bandwidth and FLOP/s: a rate the data do not pin (no step compute-bound) stays a
+        rate the card has."""
+        return replace(self, bandwidth_bps=min(self.bandwidth_bps, gpu.bandwidth_bps),
+                       flop_rate=min(self.flop_rate, gpu.peak_flops))
+
+    def host_scale(self, layers: np.ndarray) -> np.ndarray:
+        """What host_step_s is multiplied by for models of these layer counts."""
+        return layers / self.host_layers if self.host_layers else np.ones_like(layers, dtype=float)
+
+    def step_cost(self, gpu: GpuSpec, model: ModelSpec) -> StepCost:
+        """The simulator's StepCost for `model` on `gpu` (efficiencies must come out at most 1)."""
+        host = self.host_step_s * float(self.host_scale(np.array([model.num_layers]))[0])
+        return StepCost(host, self.host_per_seq_s, self.bandwidth_bps / gpu.bandwidth_bps,
                         self.flop_rate / gpu.peak_flops)
 
 
@@ -317,29 +334,27 @@ class StepTable:
     flops: np.ndarray
     seqs: np.ndarray
     measured: np.ndarray
-    host_scale: np.ndarray  # what a step's host_step_s is multiplied by: 1, or its model's layers / LAYER_REF
+    layers: np.ndarray  # the layers of each step group's model (`GpuConstants.host_scale`)
 
     @classmethod
-    def of(cls, measurements: Sequence[Measurement], by_layers: bool = False) -> StepTable:
-        """`by_layers`: a step's fixed host time grows with its model's layer count (kernel launches per layer)."""
+    def of(cls, measurements: Sequence[Measurement]) -> StepTable:
         cols: list[list[float]] = [[], [], [], [], [], []]
         for i, m in enumerate(measurements):
             spec = m.spec
-            scale = spec.num_layers / LAYER_REF if by_layers else 1.0
             for s in m.steps:
                 size = spec.weight_read_bytes + spec.kv_bytes_per_token * (s.kv_read + s.new_tokens)
                 work = (2 * spec.body_params * s.new_tokens + 2 * spec.lm_head_params * s.sampled
                         + 4 * spec.num_layers * spec.attention_width * s.attn_pairs)
-                for col, value in zip(cols, (i, s.count, size, work, s.seqs, scale)):
+                for col, value in zip(cols, (i, s.count, size, work, s.seqs, spec.num_layers)):
                     col.append(value)
-        row, count, nbytes, flops, seqs, host_scale = (np.asarray(c, dtype=float) for c in cols)
+        row, count, nbytes, flops, seqs, layers = (np.asarray(c, dtype=float) for c in cols)
         return cls(row.astype(int), count, nbytes, flops, seqs, np.array([m.measured_s for m in measurements]),
-                   host_scale)
+                   layers)
 
     def predict(self, c: GpuConstants) -> np.ndarray:
         """Predicted seconds of each measurement."""
         device = np.maximum(self.bytes / c.bandwidth_bps, self.flops / c.flop_rate)
-        step = c.host_step_s * self.host_scale + c.host_per_seq_s * self.seqs + device
+        step = c.host_step_s * c.host_scale(self.layers) + c.host_per_seq_s * self.seqs + device
         return np.bincount(self.row, weights=self.count * step, minlength=len(self.measured))
 
 
@@ -351,8 +366,7 @@ def constants_for(gpu: str, fitted: dict[str, GpuConstants]) -> tuple[GpuConstan
     base = "H100-80GB"
     c = fitted[base]
     ratio = gpu_spec(gpu).bandwidth_bps / gpu_spec(base).bandwidth_bps
-    return (GpuConstants(c.bandwidth_bps * ratio, c.flop_rate, c.host_step_s, c.host_per_seq_s),
-            f"{base}'s, bandwidth x {ratio:.2f} (no {gpu} data)")
+    return replace(c, bandwidth_bps=c.bandwidth_bps * ratio), f"{base}'s, bandwidth x {ratio:.2f} (no {gpu} data)"
 
 
 def closed_loop_step_s(constants: GpuConstants, spec: ModelSpec, loop: ClosedLoop) -> float:
@@ -361,8 +375,8 @@ def closed_loop_step_s(constants: GpuConstants, spec: ModelSpec, loop: ClosedLoo
     return float(predict(constants, [m])[0])
 
 
-def predict(constants: GpuConstants, measurements: Sequence[Measurement], by_layers: bool = False) -> np.ndarray:
-    return StepTable.of(measurements, by_layers).predict(constants)
+def predict(constants: GpuConstants, measurements: Sequence[Measurement]) -> np.ndarray:
+    return StepTable.of(measurements).predict(constants)
 
 
 def log_loss(table: StepTable, c: GpuConstants, delta: float = HUBER_DELTA) -> float:
@@ -372,25 +386,33 @@ def log_loss(table: StepTable, c: GpuConstants, delta: float = HUBER_DELTA) -> f
     return float(np.mean(np.where(r < delta, 0.5 * r * r, delta * (r - 0.5 * delta))))
 
 
-def start_for(gpu: GpuSpec) -> GpuConstants:
-    """Where the search starts: 60% of the datasheet bandwidth, 50% of the FLOP/s, 1 ms + 20 us per sequence."""
-    return GpuConstants(0.6 * gpu.bandwidth_bps, 0.5 * gpu.peak_flops, 1e-3, 20e-6)
+def start_for(gpu: GpuSpec, host_layers: int = LAYER_REF) -> GpuConstants:
+    """Where the search starts: 60% of the datasheet bandwidth, 50% of the FLOP/s, 1 ms + 20 us per sequence; the
+    host time's form (`GpuConstants.host_layers`) is the fit's."""
+    return GpuConstants(0.6 * gpu.bandwidth_bps, 0.5 * gpu.peak_flops, 1e-3, 20e-6, host_layers)
 
 
-def fit(measurements: Sequence[Measurement], start: GpuConstants, rounds: int = 4, iters: int = 250,
-        by_layers: bool = False) -> GpuConstants:
-    """Minimize `log_loss`; Nelder-Mead restarted from its best point `rounds` times."""
-    table = StepTable.of(measurements, by_layers)
-    x = start.vector()
+def fit(measurements: Sequence[Measurement], gpu: GpuSpec, host_layers: int = LAYER_REF, rounds: int = 4,
+        iters: int = 250) -> GpuConstants:
+    """Minimize `log_loss` over `gpu`'s constants (rates `capped` at its datasheet) from `start_for`; Nelder-Mead
+    restarted from its best point `rounds` times. Where every step has as many sequences as every other (batch-1
+    data), host_per_seq_s would only repeat host_step_s: it is 0, not fitted."""
+    table = StepTable.of(measurements)
+    free = 4 if np.ptp(table.seqs) > 0 else 3
+
+    def constants(v: np.ndarray) -> GpuConstants:
+        return GpuConstants.from_vector(v, host_layers).capped(gpu)
+
+    x = start_for(gpu, host_layers).vector()[:free]
     for _ in range(rounds):
-        x = nelder_mead(lambda v: log_loss(table, GpuConstants.from_vector(v)), x, np.full(4, 0.3), iters)
-    return GpuConstants.from_vector(x)
+        x = nelder_mead(lambda v: log_loss(table, constants(v)), x, np.full(free, 0.3), iters)
+    return constants(x)
 
 
-def fit_per_gpu(measurements: Sequence[Measurement], by_layers: bool = False) -> dict[str, GpuConstants]:
+def fit_per_gpu(measurements: Sequence[Measurement], host_layers: int = LAYER_REF) -> dict[str, GpuConstants]:
     """One set of constants per GPU, from that GPU's measurements that the model describes."""
     by_gpu = group(described(measurements), lambda m: m.gpu)
-    return {g: fit(ms, start_for(gpu_spec(g)), by_layers=by_layers) for g, ms in sorted(by_gpu.items())}
+    return {g: fit(ms, gpu_spec(g), host_layers) for g, ms in sorted(by_gpu.items())}
 
 
 def group(measurements: Iterable[Measurement], key: Callable[[Measurement], str]) -> dict[str, list[Measurement]]:
@@ -432,16 +454,15 @@ class HeldOut:
         return float(np.mean(self.errors))
 
 
-def errors_of(constants: GpuConstants, measurements: Sequence[Measurement],
-              by_layers: bool = False) -> tuple[float, ...]:
+def errors_of(constants: GpuConstants, measurements: Sequence[Measurement]) -> tuple[float, ...]:
     """predicted / measured - 1 for each measurement."""
     if not measurements:
         return ()
-    got = predict(constants, measurements, by_layers) / np.array([m.measured_s for m in measurements]) - 1
+    got = predict(constants, measurements) / np.array([m.measured_s for m in measurements]) - 1
     return tuple(float(e) for e in got)
 
 
-def leave_one_model_out(measurements: Sequence[Measurement], by_layers: bool = False) -> list[HeldOut]:
+def leave_one_model_out(measurements: Sequence[Measurement], host_layers: int = LAYER_REF) -> list[HeldOut]:
     """For every model and GPU: fit that GPU's constants on the other models (the points the model describes),
     predict this one, both its described points and those outside."""
     out = []
@@ -451,10 +472,10 @@ def leave_one_model_out(measurements: Sequence[Measurement], by_layers: bool = F
             inside = described(held)
             if not rest or not inside:
                 continue
-            c = fit(rest, start_for(gpu_spec(gpu)), by_layers=by_layers)
+            c = fit(rest, gpu_spec(gpu), host_layers)
             outside = [m for m in held if m.outside]
-            out.append(HeldOut(model, gpu, held[0].spec.params, len(inside), errors_of(c, inside, by_layers),
-                               errors_of(c, outside, by_layers)))
+            out.append(HeldOut(model, gpu, held[0].spec.params, len(inside), errors_of(c, inside),
+                               errors_of(c, outside)))
     return sorted(out, key=lambda h: (h.gpu, h.params))
 
 
@@ -492,21 +513,21 @@ def format_outside(rows: Sequence[HeldOut]) -> str:
     return "\n".join(lines)
 
 
-def report(data_dir: Path = DATA_DIR, by_layers: bool = False) -> str:
-    """The fitted constants, the leave-one-model-out table, and the points outside the model (`by_layers`: the
-    fixed host time of a step in proportion to the model's layers, host_step_s being a 32-layer model's)."""
+def report(data_dir: Path = DATA_DIR, host_layers: int = LAYER_REF) -> str:
+    """The fitted constants, the leave-one-model-out table, and the points outside the model (`host_layers` 0: one
+    fixed host time a step for every model)."""
     measurements = load_all(data_dir)
     inside = described(measurements)
     models = sorted({m.model for m in measurements})
     gpus = sorted({m.gpu for m in measurements})
-    held = leave_one_model_out(measurements, by_layers)
-    per_step = f"host per step x layers / {LAYER_REF}; " if by_layers else ""
+    held = leave_one_model_out(measurements, host_layers)
+    per_step = f"host per step x layers / {host_layers}" if host_layers else "one host time a step for every model"
     return "\n\n".join([
         f"{len(measurements)} measurements, {len(models)} models ({', '.join(models)}), {len(gpus)} GPUs; "
         f"{len(measurements) - len(inside)} on a kernel the model does not describe (vLLM V0's PagedAttention V1 "
         "over several partitions: sliding-window models at num_seqs x num_heads > 512), not fitted, not judged",
-        f"Constants fitted on all the data the model describes ({per_step}mean abs error over the held-out table: "
-        f"{np.mean([h.mean_abs for h in held]):.2%}):\n" + format_constants(fit_per_gpu(measurements, by_layers)),
+        f"Constants fitted on all the data the model describes ({per_step}; mean abs error over the held-out table: "
+        f"{np.mean([h.mean_abs for h in held]):.2%}):\n" + format_constants(fit_per_gpu(measurements, host_layers)),
         "Leave one model out (constants of that GPU fitted without the model):\n" + format_held_out(held),
         f"within 15% (mean abs error): {sum(h.mean_abs <= 0.15 for h in held)} of {len(held)}",
         "The points outside, predicted by the same held-out constants:\n" + format_outside(held)])
@@ -515,11 +536,11 @@ def report(data_dir: Path = DATA_DIR, by_layers: bool = False) -> str:
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="sim stepfit", description=__doc__.splitlines()[0])
     parser.add_argument("--data", type=Path, default=DATA_DIR, help="folder of the step data (planner/data/stepdata)")
-    parser.add_argument("--host-by-layers", action="store_true",
-                        help=f"a step's fixed host time in proportion to the model's layers (host per step is a "
-                             f"{LAYER_REF}-layer model's; tried, not the default: docs/sim.md)")
+    parser.add_argument("--host-fixed", action="store_true",
+                        help=f"one fixed host time a step for every model, where by default it is a {LAYER_REF}-layer "
+                             "model's, scaled by each model's layers (the form before 2026-12-01: docs/sim.md)")
     args = parser.parse_args(argv)
-    print(report(args.data, args.host_by_layers))
+    print(report(args.data, 0 if args.host_fixed else LAYER_REF))
 
 
 if __name__ == "__main__":

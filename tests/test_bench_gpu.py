@@ -24,6 +24,8 @@ from planner.sources import load_profile, write_point
 from planner.stats import RunSummary
 from planner.validate import CountResult
 from sim.fromprofile import EngineFacts
+from sim.gpus import get_gpu
+from sim.model import load_model
 
 
 def test_requests_are_sized_by_waves_and_by_the_time_a_point_may_take() -> None:
@@ -182,7 +184,8 @@ def test_the_step_time_model_is_held_against_a_run_with_constants_fitted_without
 def test_simulator_gpu_names_and_predictions() -> None:
     """The simulator's replica counts price steps with the step-time model's constants for the GPU, fitted without
     the run's model: on the H200 (vLLM 0.26, a step's host time under 1 ms) two Qwen3-1.7B replicas at 100 each
-    come out near +22% over one, where the papers' vLLM 0.5.2 host time (StepCost's default) gave +42%."""
+    come out at +38% over one (measured: +45% through the gateway, +13% straight), where the papers' vLLM 0.5.2
+    host time (StepCost's default) gave +42%, and one host time for every model +22%."""
     assert sim_gpu("NVIDIA H100 80GB HBM3") == "H100-80GB" and sim_gpu("NVIDIA H200") == "H200"
     assert sim_gpu("NVIDIA L40S") is None and sim_gpu(None) is None
     s = gpu_preset("synthetic:opt-1.3b", Path("/tmp/x"))
@@ -193,9 +196,10 @@ def test_simulator_gpu_names_and_predictions() -> None:
     qwen = gpu_preset("synthetic:qwen3-1.7b", Path("/tmp/x"))
     held = heldout_constants(qwen, "NVIDIA H200")
     assert held is not None and held.model == "qwen3-1.7b" and held.origin == "fitted on H200"
-    assert held.constants.host_step_s < 1e-3  # from OPT-1.3B's H200 points alone
+    # from OPT-1.3B's H200 points alone, a step's host time for Qwen3-1.7B's 28 layers
+    assert held.constants.step_cost(get_gpu("H200"), load_model("qwen3-1.7b")).host_step_s < 1e-3
     on_h200 = sim_prediction(qwen, held, 100, 0.45, (1, 2))
-    assert 1.1 < on_h200[2] / on_h200[1] < 1.3
+    assert 1.3 < on_h200[2] / on_h200[1] < 1.45
 
 
 GPU_LOG = """\

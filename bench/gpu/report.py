@@ -99,9 +99,9 @@ def sim_tok_s(fit: HeldOutFit, model: str, streams: int, replicas: int, input_to
     from sim.stepfit import gpu_spec
     from sim.workload import RequestSpec
 
-    gpu = gpu_spec(fit.gpu)
+    gpu, spec = gpu_spec(fit.gpu), load_model(model)
     specs = [RequestSpec(input_tokens, output_tokens)] * max(200, 2 * replicas * streams)
-    return run_all_at_once(load_model(model), gpu, fit.constants.step_cost(gpu), streams, replicas, specs,
+    return run_all_at_once(spec, gpu, fit.constants.step_cost(gpu, spec), streams, replicas, specs,
                            utilization=utilization, max_num_batched_tokens=V1_TOKEN_BUDGET,
                            chunked_prefill=True).total_tok_s
 
