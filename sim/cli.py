@@ -50,6 +50,11 @@ def _add_node_flags(p: argparse.ArgumentParser, model_required: bool = True) -> 
     p.add_argument("--enable-chunked-prefill", action="store_true", help="V1-style chunked prefill scheduling")
     p.add_argument("--enable-prefix-caching", action="store_true",
                    help="automatic prefix caching (16-token blocks of the prompt text, LRU eviction)")
+    p.add_argument("--step-cost", choices=("reference", "fitted"), default="reference",
+                   help="how a step is priced: reference, the papers' OPT-1.3B on an H100 64 GB with vLLM 0.5.2 "
+                        "(docs/sim.md, calibration); fitted, `sim stepfit`'s constants for this GPU, fitted on all "
+                        "its public and measured steps, the host time by the model's layers (a GPU without data: "
+                        "the H100 80 GB's, bandwidth scaled)")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -119,10 +124,15 @@ def _gpu(args: argparse.Namespace) -> GpuSpec:
 
 def node_spec(args: argparse.Namespace) -> NodeSpec:
     try:
-        model = load_model(args.model)
-        spec = NodeSpec(model, _gpu(args), args.replicas, args.max_num_seqs, args.gpu_memory_utilization,
-                        args.max_num_batched_tokens, args.enable_chunked_prefill, StepCost(),
-                        args.enable_prefix_caching)
+        model, gpu = load_model(args.model), _gpu(args)
+        cost = StepCost()
+        if args.step_cost == "fitted":
+            from .stepfit import fitted_cost
+
+            cost, origin = fitted_cost(gpu, model)
+            logger.info("step cost for %s on %s: %s (%s)", model.name, gpu.name, cost, origin)
+        spec = NodeSpec(model, gpu, args.replicas, args.max_num_seqs, args.gpu_memory_utilization,
+                        args.max_num_batched_tokens, args.enable_chunked_prefill, cost, args.enable_prefix_caching)
         spec.engine_config()  # sizes the KV cache: fails here, with the reason, when the model does not fit
     except ValueError as exc:
         raise UsageError(str(exc)) from None

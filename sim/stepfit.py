@@ -358,15 +358,19 @@ class StepTable:
         return np.bincount(self.row, weights=self.count * step, minlength=len(self.measured))
 
 
-def constants_for(gpu: str, fitted: dict[str, GpuConstants]) -> tuple[GpuConstants, str]:
-    """Constants for `gpu` and where they came from: its own fit, or for a GPU without data the H100 80 GB's
-    (the newest engine setup in the data) with the bandwidth scaled by the two datasheets'."""
-    if gpu in fitted:
-        return fitted[gpu], f"fitted on {gpu}"
-    base = "H100-80GB"
-    c = fitted[base]
-    ratio = gpu_spec(gpu).bandwidth_bps / gpu_spec(base).bandwidth_bps
-    return replace(c, bandwidth_bps=c.bandwidth_bps * ratio), f"{base}'s, bandwidth x {ratio:.2f} (no {gpu} data)"
+FALLBACK_GPU = "H100-80GB"  # whose constants a GPU without data takes: the newest engine setup of the public data
+
+
+def constants_for(gpu: str | GpuSpec, fitted: dict[str, GpuConstants]) -> tuple[GpuConstants, str]:
+    """Constants for `gpu` (a name, or a GPU of its own) and where they came from: its own fit, or for a GPU without
+    data FALLBACK_GPU's with the bandwidth scaled by the two datasheets' (and the rates capped at `gpu`'s)."""
+    spec = gpu_spec(gpu) if isinstance(gpu, str) else gpu
+    if spec.name in fitted:
+        return fitted[spec.name], f"fitted on {spec.name}"
+    c = fitted[FALLBACK_GPU]
+    ratio = spec.bandwidth_bps / gpu_spec(FALLBACK_GPU).bandwidth_bps
+    return (replace(c, bandwidth_bps=c.bandwidth_bps * ratio).capped(spec),
+            f"{FALLBACK_GPU}'s, bandwidth x {ratio:.2f} (no {spec.name} data)")
 
 
 def closed_loop_step_s(constants: GpuConstants, spec: ModelSpec, loop: ClosedLoop) -> float:
@@ -413,6 +417,16 @@ def fit_per_gpu(measurements: Sequence[Measurement], host_layers: int = LAYER_RE
     """One set of constants per GPU, from that GPU's measurements that the model describes."""
     by_gpu = group(described(measurements), lambda m: m.gpu)
     return {g: fit(ms, gpu_spec(g), host_layers) for g, ms in sorted(by_gpu.items())}
+
+
+def fitted_cost(gpu: GpuSpec, model: ModelSpec, data_dir: Path = DATA_DIR) -> tuple[StepCost, str]:
+    """The simulator's StepCost for `model` on `gpu` from this fit (`constants_for`, fitted on all of that GPU's
+    data the model describes; the host time by the model's layers), and where the constants came from."""
+    measurements = described(load_all(data_dir))
+    name = gpu.name if any(m.gpu == gpu.name for m in measurements) else FALLBACK_GPU
+    fitted = {name: fit([m for m in measurements if m.gpu == name], gpu_spec(name))}
+    constants, origin = constants_for(gpu, fitted)
+    return constants.step_cost(gpu, model), origin
 
 
 def group(measurements: Iterable[Measurement], key: Callable[[Measurement], str]) -> dict[str, list[Measurement]]:

@@ -275,3 +275,27 @@ def test_qwens_speeds_are_one_request_each_a_prefill_and_its_decode_steps() -> N
     assert min(s.kv_read for s in decode) > 30720 and max(s.kv_read for s in decode) < 30720 + 2048
     spec = stepfit.model_spec("llama-2-7b")
     assert stepfit.argonne_steps(spec, 16, 512) == stepfit.batch_steps(spec, 16, 512, 512)
+
+
+def test_the_simulator_can_price_steps_with_the_fitted_constants() -> None:
+    """`sim serve/run --step-cost fitted`: a model on a GPU with data takes that GPU's constants, its host time by
+    its layers; a GPU without data (an L40S from --gpu-spec) the H100 80 GB's, bandwidth scaled, every efficiency a
+    valid one for that card; the default stays the reference calibration."""
+    from sim.cli import _parser, node_spec
+    from sim.gpus import parse_gpu_spec
+    from sim.steptime import StepCost
+
+    opt = stepfit.model_spec("opt-1.3b")
+    cost, origin = stepfit.fitted_cost(get_gpu("H100-64GB"), opt)
+    h100 = stepfit.fit_per_gpu(stepfit.load_all())["H100-64GB"]
+    assert origin == "fitted on H100-64GB"
+    assert cost.host_step_s == pytest.approx(h100.host_step_s * 24 / 32, rel=1e-6)
+    assert cost.mem_efficiency == pytest.approx(h100.bandwidth_bps / get_gpu("H100-64GB").bandwidth_bps, rel=1e-6)
+    l40s = parse_gpu_spec("memory_gib=48,bandwidth_gbps=864,tflops=181,name=L40S")
+    cost, origin = stepfit.fitted_cost(l40s, stepfit.model_spec("llama-3-8b"))
+    assert origin.startswith("H100-80GB's, bandwidth x 0.26") and "no L40S data" in origin
+    assert 0 < cost.mem_efficiency <= 1 and 0 < cost.flop_efficiency <= 1
+    flags = ["run", "--model", "opt-1.3b", "--gpu", "H100-64GB"]
+    assert node_spec(_parser().parse_args(flags)).cost == StepCost()
+    fitted = node_spec(_parser().parse_args([*flags, "--step-cost", "fitted"])).cost
+    assert fitted.host_step_s == pytest.approx(h100.host_step_s * 24 / 32, rel=1e-6)
