@@ -6,6 +6,10 @@ Each run keeps its requests' first tokens (`firsts`: sent, TTFT, prompt tokens, 
 (workload, arrival, load), pooled over seeds and policies where both sides ran, the TTFTs are grouped by prompt
 length: each length where the workload has at most four (the `mix`: 128 and 1,024), else the halves about the real
 side's median length.
+
+Then, where a workload has a few lengths (the `mix`), its shorter prompts split by what came just before them: a
+prompt of the longest length sent within AFTER_LONG_S before it (to any replica) or not. A 128-token prompt behind a
+1,024-token prefill waits for it; a model can price each prompt right alone and still miss that wait.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from .sim_vs_real_ranking import point_of
 from .sim_vs_real_steps import real_twins, twin_key
 
 MAX_LENGTHS = 4  # distinct prompt lengths a workload may have to be grouped length by length
+AFTER_LONG_S = 0.1  # a shorter prompt sent this soon after one of the longest length is "after a long prompt"
 
 
 def groups(lengths: Sequence[int]) -> tuple[list[str], Any]:
@@ -32,17 +37,32 @@ def groups(lengths: Sequence[int]) -> tuple[list[str], Any]:
     return names, lambda n: names[0] if n <= median else names[1]
 
 
+def twin_pairs(rows: Sequence[dict[str, Any]], side: str) -> dict[str, list[tuple[dict[str, Any], dict[str, Any]]]]:
+    """Per point, each run of `side` with its real twin, where both kept their first tokens."""
+    real = {key: r for key, r in real_twins(rows).items() if r.get("firsts")}
+    pairs: dict[str, list[tuple[dict[str, Any], dict[str, Any]]]] = {}
+    for r in rows:
+        twin = real.get(twin_key(r)) if r["side"] == side and r.get("firsts") else None
+        if twin is not None:
+            pairs.setdefault(point_of(r), []).append((twin, r))
+    return pairs
+
+
+def percentile_cells(want: Sequence[float], got: Sequence[float]) -> list[str]:
+    """Real and simulated p50 and p90 and the errors, as table cells."""
+    cells = []
+    for q in (50, 90):
+        a, b = float(np.percentile(want, q)), float(np.percentile(got, q))
+        cells += [f"{a:.0f}", f"{b:.0f}", f"{b / a - 1:+.0%}"]
+    return cells
+
+
 def length_lines(rows: Sequence[dict[str, Any]], sides: Sequence[str]) -> list[str]:
     """The report's section: per point, prompt length and simulated side, the real and simulated TTFT p50 and p90
     (ms) and their errors."""
-    real = {key: r for key, r in real_twins(rows).items() if r.get("firsts")}
     body = []
     for side in sides:
-        pairs: dict[str, list[tuple[dict[str, Any], dict[str, Any]]]] = {}
-        for r in rows:
-            twin = real.get(twin_key(r)) if r["side"] == side and r.get("firsts") else None
-            if twin is not None:
-                pairs.setdefault(point_of(r), []).append((twin, r))
+        pairs = twin_pairs(rows, side)
         for point in sorted(pairs):
             names, group_of = groups([f[2] for twin, _ in pairs[point] for f in twin["firsts"]])
             ttfts: dict[tuple[str, str], list[float]] = {}
@@ -54,11 +74,7 @@ def length_lines(rows: Sequence[dict[str, Any]], sides: Sequence[str]) -> list[s
                 got, want = ttfts.get(("sim", group), []), ttfts.get(("real", group), [])
                 if not got or not want:
                     continue
-                cells = []
-                for q in (50, 90):
-                    a, b = float(np.percentile(want, q)), float(np.percentile(got, q))
-                    cells += [f"{a:.0f}", f"{b:.0f}", f"{b / a - 1:+.0%}"]
-                body.append([point, group, side, len(want), *cells])
+                body.append([point, group, side, len(want), *percentile_cells(want, got)])
     if not body:
         return []
     return ["## Time to first token by prompt length", "",
@@ -67,3 +83,42 @@ def length_lines(rows: Sequence[dict[str, Any]], sides: Sequence[str]) -> list[s
             "against each simulated one. A point's median can hold while its lengths miss the opposite ways.", "",
             markdown_table(["point", "prompt tokens", "side", "real requests", "real p50", "sim p50", "err",
                             "real p90", "sim p90", "err"], body), ""]
+
+
+def after_long(firsts: Sequence[Sequence[Any]], longest: int) -> list[bool]:
+    """For each first token (sent, TTFT, prompt tokens, replica), whether a prompt of `longest` tokens was sent
+    within AFTER_LONG_S before it."""
+    sent = sorted(f[0] for f in firsts if f[2] == longest)
+    return [any(0 < f[0] - t <= AFTER_LONG_S for t in sent) for f in firsts]
+
+
+def after_long_lines(rows: Sequence[dict[str, Any]], sides: Sequence[str]) -> list[str]:
+    """The report's section: per point with a few prompt lengths, each shorter length's TTFT p50 and p90 on both
+    sides, after a prompt of the longest length and not."""
+    body = []
+    for side in sides:
+        pairs = twin_pairs(rows, side)
+        for point in sorted(pairs):
+            distinct = sorted({f[2] for twin, _ in pairs[point] for f in twin["firsts"]})
+            if not 1 < len(distinct) <= MAX_LENGTHS:
+                continue
+            ttfts: dict[tuple[str, int, bool], list[float]] = {}
+            for twin, simulated in pairs[point]:
+                for name, row in (("real", twin), ("sim", simulated)):
+                    for f, after in zip(row["firsts"], after_long(row["firsts"], distinct[-1])):
+                        ttfts.setdefault((name, f[2], after), []).append(f[1] * 1e3)
+            for length in distinct[:-1]:
+                for after in (False, True):
+                    got, want = ttfts.get(("sim", length, after), []), ttfts.get(("real", length, after), [])
+                    if got and want:
+                        body.append([point, length, "yes" if after else "no", side, len(want),
+                                     *percentile_cells(want, got)])
+    if not body:
+        return []
+    return ["## Time to first token after a long prompt", "",
+            f"The shorter prompts of a point with a few lengths, pooled as above, split by whether a prompt of the "
+            f"longest length was sent in the {AFTER_LONG_S * 1e3:.0f} ms before (to any replica; the schedule is the "
+            "same on both sides). A model that prices each prefill right alone can still miss the wait behind a "
+            "long one.", "",
+            markdown_table(["point", "prompt tokens", "after a long prompt", "side", "real requests", "real p50",
+                            "sim p50", "err", "real p90", "sim p90", "err"], body), ""]

@@ -20,7 +20,7 @@ from .common import markdown_table, pyplot
 from .sim_vs_real_calibration import PREFILL_COST, profile_dir, profiled, round_models
 from .sim_vs_real_goals import GOALS, goals_lines, median_errors
 from .sim_vs_real_inflight import inflight_lines
-from .sim_vs_real_lengths import length_lines
+from .sim_vs_real_lengths import after_long_lines, length_lines
 from .sim_vs_real_ranking import p99_by_seed, point_of, ranking_lines, verdict_lines
 from .sim_vs_real_rounds import models_lines, rounds_lines
 from .sim_vs_real_steps import rank_correlation, speedometer_lines, step_ratio, steps_lines
@@ -277,6 +277,7 @@ def report(out: Path, meta: dict[str, Any]) -> str:
     lines += twin_lines(rows, simulated)
     lines += outside_lines(rows, ["real", *simulated])
     lines += length_lines(rows, simulated)
+    lines += after_long_lines(rows, simulated)
     lines += ["## The default on real replicas (p99 TTFT, ms, pooled over seeds)", ""]
     judged = []
     for point, by in real.items():
