@@ -8,8 +8,9 @@ length: each length where the workload has at most four (the `mix`: 128 and 1,02
 side's median length.
 
 Then, where a workload has a few lengths (the `mix`), its shorter prompts split by what came just before them: a
-prompt of the longest length sent within AFTER_LONG_S before it (to any replica) or not. A 128-token prompt behind a
-1,024-token prefill waits for it; a model can price each prompt right alone and still miss that wait.
+prompt of the longest length sent within AFTER_LONG_S before it to the same replica, to another one only, or none
+(each side's own routing). A 128-token prompt behind a 1,024-token prefill on its replica waits for it; one after
+a long prompt elsewhere shares only the machine; a model can miss either, or neither and still be short.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from .sim_vs_real_steps import real_twins, twin_key
 
 MAX_LENGTHS = 4  # distinct prompt lengths a workload may have to be grouped length by length
 AFTER_LONG_S = 0.1  # a shorter prompt sent this soon after one of the longest length is "after a long prompt"
+AFTER = ("none", "on another replica", "on its replica")  # what `after_long` tells apart, in the table's order
 
 
 def groups(lengths: Sequence[int]) -> tuple[list[str], Any]:
@@ -85,11 +87,16 @@ def length_lines(rows: Sequence[dict[str, Any]], sides: Sequence[str]) -> list[s
                             "real p90", "sim p90", "err"], body), ""]
 
 
-def after_long(firsts: Sequence[Sequence[Any]], longest: int) -> list[bool]:
-    """For each first token (sent, TTFT, prompt tokens, replica), whether a prompt of `longest` tokens was sent
-    within AFTER_LONG_S before it."""
-    sent = sorted(f[0] for f in firsts if f[2] == longest)
-    return [any(0 < f[0] - t <= AFTER_LONG_S for t in sent) for f in firsts]
+def after_long(firsts: Sequence[Sequence[Any]], longest: int) -> list[str]:
+    """For each first token (sent, TTFT, prompt tokens, replica), where a prompt of `longest` tokens went that was
+    sent within AFTER_LONG_S before it (`AFTER`: on its replica, else on another one, else none)."""
+    longs = [(f[0], f[3]) for f in firsts if f[2] == longest]
+
+    def where(f: Sequence[Any]) -> str:
+        near = [replica for t, replica in longs if 0 < f[0] - t <= AFTER_LONG_S]
+        return AFTER[2] if f[3] in near else AFTER[1] if near else AFTER[0]
+
+    return [where(f) for f in firsts]
 
 
 def after_long_lines(rows: Sequence[dict[str, Any]], sides: Sequence[str]) -> list[str]:
@@ -102,23 +109,22 @@ def after_long_lines(rows: Sequence[dict[str, Any]], sides: Sequence[str]) -> li
             distinct = sorted({f[2] for twin, _ in pairs[point] for f in twin["firsts"]})
             if not 1 < len(distinct) <= MAX_LENGTHS:
                 continue
-            ttfts: dict[tuple[str, int, bool], list[float]] = {}
+            ttfts: dict[tuple[str, int, str], list[float]] = {}
             for twin, simulated in pairs[point]:
                 for name, row in (("real", twin), ("sim", simulated)):
                     for f, after in zip(row["firsts"], after_long(row["firsts"], distinct[-1])):
                         ttfts.setdefault((name, f[2], after), []).append(f[1] * 1e3)
             for length in distinct[:-1]:
-                for after in (False, True):
+                for after in AFTER:
                     got, want = ttfts.get(("sim", length, after), []), ttfts.get(("real", length, after), [])
                     if got and want:
-                        body.append([point, length, "yes" if after else "no", side, len(want),
-                                     *percentile_cells(want, got)])
+                        body.append([point, length, after, side, len(want), *percentile_cells(want, got)])
     if not body:
         return []
     return ["## Time to first token after a long prompt", "",
-            f"The shorter prompts of a point with a few lengths, pooled as above, split by whether a prompt of the "
-            f"longest length was sent in the {AFTER_LONG_S * 1e3:.0f} ms before (to any replica; the schedule is the "
-            "same on both sides). A model that prices each prefill right alone can still miss the wait behind a "
-            "long one.", "",
-            markdown_table(["point", "prompt tokens", "after a long prompt", "side", "real requests", "real p50",
+            f"The shorter prompts of a point with a few lengths, pooled as above, split by where a prompt of the "
+            f"longest length sent in the {AFTER_LONG_S * 1e3:.0f} ms before went: on the prompt's own replica (it "
+            "waits behind that prefill), on another one only (they share the machine), or none (each side's own "
+            "routing; the schedule is the same on both).", "",
+            markdown_table(["point", "prompt tokens", "a long prompt just before", "side", "real requests", "real p50",
                             "sim p50", "err", "real p90", "sim p90", "err"], body), ""]

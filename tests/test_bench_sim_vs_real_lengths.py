@@ -41,21 +41,24 @@ def test_many_lengths_fall_into_halves_about_the_median() -> None:
     assert [line.split(" | ")[1] for line in table] == ["<= 350", "> 350"]
 
 
-def test_short_prompts_are_split_by_a_long_one_just_before() -> None:
-    """A 128-token prompt sent 50 ms after a 1,024-token one is "after a long prompt", one sent 300 ms after it is
-    not; the simulated side right alone and 30% short behind the long prompt shows as exactly that; the longest
-    length itself has no row, and a workload of many lengths no section."""
-    def timed(side: str, behind: float) -> dict[str, Any]:
+def test_short_prompts_are_split_by_where_a_long_one_just_before_went() -> None:
+    """A 128-token prompt sent 50 ms after a 1,024-token one on its replica, 70 ms after one on another replica,
+    or 300 ms after: three rows; the simulated side right alone, 30% short behind a long prompt on its replica and
+    10% long after one elsewhere shows as exactly that; the longest length has no row, and a workload of many
+    lengths no section."""
+    def timed(side: str, behind: float, beside: float) -> dict[str, Any]:
         firsts = []
-        for k in range(4):  # every 1 s: a long prompt, a short one 50 ms after it, another 300 ms after it
-            firsts += [[k, 0.200, 1024, "r0"], [k + 0.05, 0.040 * behind, 128, "r1"], [k + 0.3, 0.020, 128, "r0"]]
+        for k in range(4):  # every 1 s: a long prompt on r0, a short one on r0 50 ms after, on r1 70 ms, r0 300 ms
+            firsts += [[k, 0.200, 1024, "r0"], [k + 0.05, 0.040 * behind, 128, "r0"],
+                       [k + 0.07, 0.030 * beside, 128, "r1"], [k + 0.3, 0.020, 128, "r0"]]
         return {**run(side, 0, []), "firsts": firsts}
 
-    assert after_long([[0.0, 0.1, 1024, "r"], [0.05, 0.1, 128, "r"], [0.3, 0.1, 128, "r"], [0.0, 0.1, 128, "r"]],
-                      1024) == [False, True, False, False]
-    text = "\n".join(after_long_lines([timed("real", 1.0), timed("sim-paired", 0.7)], ["sim-paired"]))
+    assert after_long([[0.0, 0.1, 1024, "a"], [0.05, 0.1, 128, "a"], [0.06, 0.1, 128, "b"], [0.3, 0.1, 128, "a"],
+                       [0.0, 0.1, 128, "a"]], 1024) == ["none", "on its replica", "on another replica", "none", "none"]
+    text = "\n".join(after_long_lines([timed("real", 1.0, 1.0), timed("sim-paired", 0.7, 1.1)], ["sim-paired"]))
     table = [line for line in text.splitlines() if line.startswith("| mix/")]
-    assert table == ["| mix/poisson/0.8 | 128 | no | sim-paired | 4 | 20 | 20 | +0% | 20 | 20 | +0% |",
-                     "| mix/poisson/0.8 | 128 | yes | sim-paired | 4 | 40 | 28 | -30% | 40 | 28 | -30% |"]
+    assert table == ["| mix/poisson/0.8 | 128 | none | sim-paired | 4 | 20 | 20 | +0% | 20 | 20 | +0% |",
+                     "| mix/poisson/0.8 | 128 | on another replica | sim-paired | 4 | 30 | 33 | +10% | 30 | 33 | +10% |",
+                     "| mix/poisson/0.8 | 128 | on its replica | sim-paired | 4 | 40 | 28 | -30% | 40 | 28 | -30% |"]
     many = [run(side, 0, [(0.01 * i, 100 * i) for i in range(1, 7)], "sharegpt") for side in ("real", "sim-paired")]
     assert after_long_lines(many, ["sim-paired"]) == []
