@@ -57,8 +57,9 @@ def test_short_prompts_are_split_by_where_a_long_one_just_before_went() -> None:
                        [0.0, 0.1, 128, "a"]], 1024) == ["none", "on its replica", "on another replica", "none", "none"]
     text = "\n".join(after_long_lines([timed("real", 1.0, 1.0), timed("sim-paired", 0.7, 1.1)], ["sim-paired"]))
     table = [line for line in text.splitlines() if line.startswith("| mix/")]
-    assert table == ["| mix/poisson/0.8 | 128 | none | sim-paired | 4 | 20 | 20 | +0% | 20 | 20 | +0% |",
-                     "| mix/poisson/0.8 | 128 | on another replica | sim-paired | 4 | 30 | 33 | +10% | 30 | 33 | +10% |",
-                     "| mix/poisson/0.8 | 128 | on its replica | sim-paired | 4 | 40 | 28 | -30% | 40 | 28 | -30% |"]
+    assert [line.split(" | ")[2:] for line in table] == [
+        ["none", "sim-paired", "4", "20", "20", "+0%", "20", "20", "+0% |"],
+        ["on another replica", "sim-paired", "4", "30", "33", "+10%", "30", "33", "+10% |"],
+        ["on its replica", "sim-paired", "4", "40", "28", "-30%", "40", "28", "-30% |"]]
     many = [run(side, 0, [(0.01 * i, 100 * i) for i in range(1, 7)], "sharegpt") for side in ("real", "sim-paired")]
     assert after_long_lines(many, ["sim-paired"]) == []
