@@ -49,6 +49,27 @@ class GatewayError(Exception):
         return b"data: " + self.encoded() + b"\n\n"
 
 
+_UPSTREAM_CODES = {404: "not_found", 405: "method_not_allowed"}
+
+
+def upstream_error(status: int, body: bytes) -> bytes | None:
+    """A replica's 4xx answer as an OpenAI-style error body, or None where it is one already. vLLM's API server is
+    FastAPI: a path or method it does not serve gets `{"detail": "Not Found"}`; any other shape (plain text, an
+    older `{"object": "error", "message": ...}`) keeps its message."""
+    try:
+        data: Any = json.loads(body)
+    except ValueError:  # not JSON (a UnicodeDecodeError is one)
+        data = None
+    if isinstance(data, dict) and isinstance(data.get("error"), dict):
+        return None
+    if isinstance(data, dict) and ("detail" in data or "message" in data):
+        found = data.get("detail", data.get("message"))
+        message = found if isinstance(found, str) else json.dumps(found)
+    else:
+        message = body.decode("utf-8", "replace").strip()[:500] or f"the replica answered {status}"
+    return GatewayError(status, message, code=_UPSTREAM_CODES.get(status)).encoded()
+
+
 def bad_request(message: str, param: str | None = None) -> GatewayError:
     return GatewayError(400, message, param=param, code="invalid_value" if param else None)
 

@@ -14,7 +14,7 @@ import logging
 from typing import Protocol
 
 from .config import GatewayConfig
-from .errors import GatewayError, overloaded
+from .errors import GatewayError, overloaded, upstream_error
 from .health import eject
 from .limits import OUT_OF_DESCRIPTORS, Throttled
 from .metrics import Metrics
@@ -233,6 +233,9 @@ class Proxy:
             responder.start(status, headers, content_type)
             await self._stream(responder, upstream, first, lease, info, started, watch)
         else:
+            rewritten = upstream_error(status, first) if 400 <= status < 500 and first else None
+            if rewritten is not None:  # the client's mistake, told as OpenAI tells it, whatever the replica said
+                first, content_type = rewritten, "application/json"
             response = Response(status, first, content_type, headers)
         self._metrics.answered(lease.replica.url, info.model, status, self._loop.time() - started)
         return response

@@ -27,6 +27,7 @@ import json
 import time
 import uuid
 from dataclasses import dataclass, field
+from typing import Any, cast
 
 from aiohttp import web
 
@@ -274,9 +275,18 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(text=text, content_type="text/plain")
 
 
+@web.middleware
+async def fastapi_errors(request: web.Request, handler: Any) -> web.StreamResponse:
+    """A path or method the fake does not serve answers as vLLM's FastAPI server does: `{"detail": ...}`."""
+    try:
+        return cast(web.StreamResponse, await handler(request))
+    except (web.HTTPNotFound, web.HTTPMethodNotAllowed) as exc:
+        return web.json_response({"detail": exc.reason}, status=exc.status)
+
+
 def make_app(behavior: FakeBehavior | None = None) -> web.Application:
     """Build the fake replica's aiohttp application."""
-    app = web.Application()
+    app = web.Application(middlewares=[fastapi_errors])
     app[BEHAVIOR] = behavior or FakeBehavior()
     app[STATS] = FakeStats()
     app.router.add_post("/v1/completions", completions)

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
+
 import aiohttp
 import openai
 import pytest
 from yarl import URL
 
+from gateway.errors import upstream_error
 from tests.conftest import FakeFactory, GatewayFactory
 
 
@@ -122,8 +125,35 @@ async def test_embeddings_and_other_v1_paths(fake_replica: FakeFactory, gateway_
     assert len(emb.data) == 2
     async with aiohttp.ClientSession() as session:
         async with session.post(gw.base_url + "/unknown/thing", json={"model": "fake-model"}) as resp:
-            assert resp.status == 404  # the replica's own answer, passed through
+            assert resp.status == 404  # the replica's own answer (FastAPI's {"detail": ...}), told OpenAI's way
             assert resp.headers["x-gateway-replica"] == fake.url
+            assert await resp.json() == {"error": {"message": "Not Found", "type": "not_found_error", "param": None,
+                                                   "code": "not_found"}}
+        async with session.get(gw.url + "/tokenize") as resp:  # a method the replica does not serve there
+            assert resp.status == 405
+            error = (await resp.json())["error"]
+            assert (error["type"], error["code"], error["message"]) == (
+                "invalid_request_error", "method_not_allowed", "Method Not Allowed")
+
+
+def test_a_replicas_error_is_told_openais_way_and_an_openai_style_one_passes_as_it_came() -> None:
+    """FastAPI's `{"detail": ...}` (a string, or a validation error's list), vLLM's older `{"object": "error",
+    "message": ...}` and plain text become `{"error": {...}}` with the replica's message; `{"error": {...}}` is
+    left as it came (None)."""
+    def error(status: int, body: bytes) -> dict[str, object]:
+        rewritten = upstream_error(status, body)
+        assert rewritten is not None
+        return dict(json.loads(rewritten)["error"])
+
+    assert upstream_error(400, b'{"error": {"message": "max_tokens too large", "type": "BadRequestError"}}') is None
+    assert error(404, b'{"detail": "Not Found"}') == {"message": "Not Found", "type": "not_found_error",
+                                                      "param": None, "code": "not_found"}
+    assert error(422, b'{"detail": [{"loc": ["body"], "msg": "field required"}]}')["message"] == \
+        '[{"loc": ["body"], "msg": "field required"}]'
+    assert error(400, b'{"object": "error", "message": "bad", "type": "BadRequestError"}')["message"] == "bad"
+    assert error(404, b"404: Not Found") == {"message": "404: Not Found", "type": "not_found_error", "param": None,
+                                             "code": "not_found"}
+    assert error(413, b"\xff\xfe")["type"] == "invalid_request_error"
 
 
 async def test_vllm_paths_outside_v1_go_to_a_replica_of_the_model(fake_replica: FakeFactory,
