@@ -107,7 +107,7 @@ class GpuConstants:
 
     def vector(self) -> np.ndarray:
         return np.log([self.bandwidth_bps / 1e12, self.flop_rate / 1e15, self.host_step_s * 1e3,
-                       max(self.host_per_seq_s, 1e-12) * 1e6])
+                       self.host_per_seq_s * 1e6])
 
     def capped(self, gpu: GpuSpec) -> GpuConstants:
         """At most the datasheet's bandwidth and FLOP/s: a rate the data do not pin (no step compute-bound) stays a
@@ -115,13 +115,14 @@ class GpuConstants:
         return replace(self, bandwidth_bps=min(self.bandwidth_bps, gpu.bandwidth_bps),
                        flop_rate=min(self.flop_rate, gpu.peak_flops))
 
-    def host_scale(self, layers: np.ndarray) -> np.ndarray:
-        """What host_step_s is multiplied by for models of these layer counts."""
-        return layers / self.host_layers if self.host_layers else np.ones_like(layers, dtype=float)
+    def host_scale(self, layers: np.ndarray | int) -> np.ndarray:
+        """What host_step_s is multiplied by for models of these layer counts (one count, or an array of them)."""
+        return np.asarray(layers, dtype=float) / self.host_layers if self.host_layers else \
+            np.ones_like(layers, dtype=float)
 
     def step_cost(self, gpu: GpuSpec, model: ModelSpec) -> StepCost:
         """The simulator's StepCost for `model` on `gpu` (efficiencies must come out at most 1)."""
-        host = self.host_step_s * float(self.host_scale(np.array([model.num_layers]))[0])
+        host = self.host_step_s * float(self.host_scale(model.num_layers))
         return StepCost(host, self.host_per_seq_s, self.bandwidth_bps / gpu.bandwidth_bps,
                         self.flop_rate / gpu.peak_flops)
 

@@ -27,9 +27,9 @@ import json
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, cast
 
 from aiohttp import web
+from aiohttp.typedefs import Handler
 
 MODEL = "fake-model"
 
@@ -276,10 +276,10 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 @web.middleware
-async def fastapi_errors(request: web.Request, handler: Any) -> web.StreamResponse:
+async def fastapi_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     """A path or method the fake does not serve answers as vLLM's FastAPI server does: `{"detail": ...}`."""
     try:
-        return cast(web.StreamResponse, await handler(request))
+        return await handler(request)
     except (web.HTTPNotFound, web.HTTPMethodNotAllowed) as exc:
         return web.json_response({"detail": exc.reason}, status=exc.status)
 
