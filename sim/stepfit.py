@@ -1,12 +1,13 @@
-"""One step-time model across models and GPUs, fitted to measured vLLM steps, with leave-one-model-out errors.
+"""One step-time model across models and GPUs, fitted to measured engine steps, with leave-one-model-out errors.
 
-The data (`planner/data/stepdata/`, provenance in each CSV's header) are real vLLM runs: steady-state engine
+The data (`planner/data/stepdata/`, provenance in each CSV's header) are real engine runs: steady-state vLLM
 windows of OPT-1.3B to Llama-2-13B on an H100 64 GB (vLLM 0.5.2), whole-batch latencies of 7-8B models on an
 A100 40 GB, an H100 80 GB and a GH200, Qwen's published single-request speeds of Qwen2.5-0.5B to -14B on an A100 80
-GB (vLLM 0.6.3), and this project's own closed loops of OPT-1.3B and Qwen3-1.7B on an H200 (vLLM 0.26.0,
-docs/bench/gpu/). Each measurement is turned into the engine steps it consisted of (so many
-prefill steps of this size, so many decode steps of that batch and context), and the model prices every step as
-`sim/steptime.py` does, with four constants per GPU:
+GB (vLLM 0.6.3), this project's own closed loops of OPT-1.3B and Qwen3-1.7B on an H200 (vLLM 0.26.0,
+docs/bench/gpu/), and NVIDIA's published static-batch latencies of GPT-350M to GPT-20B with FasterTransformer 5.0
+on an A100 80 GB (another engine: its constants are fitted apart from vLLM's on that card). Each measurement is
+turned into the engine steps it consisted of (so many prefill steps of this size, so many decode steps of that batch
+and context), and the model prices every step as `sim/steptime.py` does, with four constants per GPU:
 
     step_s = host_step_s x layers / 32 + host_per_seq_s x seqs + max(bytes / bandwidth, flops / flop_rate)
     bytes  = weights read + KV bytes/token x (tokens of context read + new tokens written)
@@ -50,6 +51,8 @@ BSC_FILE = "bsc-vllm052-h100-64gb.csv"
 ARGONNE_FILE = "argonne-vllm-e2e.csv"
 OWN_FILE = "own-vllm026-h200.csv"  # this project's own GPU runs (vLLM 0.26.0 on an H200), not a public source
 QWEN_FILE = "qwen-vllm063-a100-80gb.csv"
+FT_FILE = "fastertransformer50-a100-80gb.csv"  # another engine: its constants are fitted apart (`Measurement.setup`)
+FT_ENGINE = "FasterTransformer 5.0"
 # GH200 (Grace Hopper, 96 GB HBM3 part): 4.0 TB/s, the H100's 989 TFLOP/s dense bf16. A100 80 GB (SXM4: 2.039 TB/s
 # HBM2e, 312 TFLOP/s; the Qwen source does not say SXM or PCIe, whose 1.935 TB/s the fitted bandwidth absorbs). Not
 # in sim/gpus.py because only this fit uses them.
@@ -86,6 +89,12 @@ class Measurement:
     steps: tuple[Steps, ...]
     spec: ModelSpec = field(repr=False)
     outside: str = ""  # why the model does not describe this run's kernels; empty when it does
+    engine: str = ""  # empty: vLLM. Another engine's host time is its own, so its constants are fitted apart
+
+    @property
+    def setup(self) -> str:
+        """What one set of constants is fitted to: the GPU, and the engine where it is not vLLM."""
+        return f"{self.gpu}, {self.engine}" if self.engine else self.gpu
 
 
 @dataclass(frozen=True)
@@ -200,6 +209,19 @@ def batch_steps(spec: ModelSpec, batch: int, prompt: int, out: int) -> tuple[Ste
     return tuple(s for s in steps if s.count > 0)
 
 
+def static_batch_steps(batch: int, prompt: int, out: int) -> tuple[Steps, ...]:
+    """FasterTransformer's static batch: one context pass over all B x P prompt tokens (its KV written, no LM head),
+    then O decode steps of B sequences, the first of which runs the last prompt token again and samples the first
+    output (ParallelGpt.cc: the context decoder caches P - 1 tokens; the steps run from P to P + O - 1), so the
+    contexts attended grow from P to P + O - 1."""
+    steps = [Steps(1, batch * prompt, 0, 0.0, batch * prompt * (prompt + 1) / 2, batch)]
+    edges = np.linspace(prompt, prompt + out, DECODE_BINS + 1)
+    for lo, hi in zip(edges[:-1], edges[1:]):
+        ctx = (lo + hi) / 2
+        steps.append(Steps(out / DECODE_BINS, batch, batch, batch * ctx, batch * ctx, batch))
+    return tuple(steps)
+
+
 @dataclass(frozen=True)
 class ClosedLoop:
     """One closed-loop point of `planner profile` (B clients, each sending its next request when its last ends):
@@ -309,12 +331,24 @@ def load_qwen(path: Path, data_dir: Path = DATA_DIR) -> list[Measurement]:
             for r in rows]
 
 
+def load_ft(path: Path, data_dir: Path = DATA_DIR) -> list[Measurement]:
+    """FasterTransformer's published latencies of one static batch (`static_batch_steps`), fitted apart from vLLM's."""
+    _, rows = read_csv(path)
+    specs = {name: model_spec(name, data_dir) for name in {r["model"] for r in rows}}
+    return [Measurement("ft", r["gpu"], r["model"], f"B={r['batch']} P={r['input_len']} O={r['output_len']}",
+                        float(r["latency_ms"]) / 1e3,
+                        static_batch_steps(int(r["batch"]), int(r["input_len"]), int(r["output_len"])),
+                        specs[r["model"]], engine=FT_ENGINE)
+            for r in rows]
+
+
 def load_all(data_dir: Path = DATA_DIR) -> list[Measurement]:
-    """Every measurement of the four sources; argonne rows longer than the model's context (vLLM rejects them at
+    """Every measurement of the five sources; argonne rows longer than the model's context (vLLM rejects them at
     once) or that would preempt are left out. Rows on a kernel the model does not describe are kept, marked
     `outside`."""
     return (load_bsc(data_dir / BSC_FILE, data_dir) + load_argonne(data_dir / ARGONNE_FILE, data_dir)
-            + load_qwen(data_dir / QWEN_FILE, data_dir) + load_own(data_dir / OWN_FILE, data_dir))
+            + load_qwen(data_dir / QWEN_FILE, data_dir) + load_own(data_dir / OWN_FILE, data_dir)
+            + load_ft(data_dir / FT_FILE, data_dir))
 
 
 def described(measurements: Iterable[Measurement]) -> list[Measurement]:
@@ -415,15 +449,17 @@ def fit(measurements: Sequence[Measurement], gpu: GpuSpec, host_layers: int = LA
 
 
 def fit_per_gpu(measurements: Sequence[Measurement], host_layers: int = LAYER_REF) -> dict[str, GpuConstants]:
-    """One set of constants per GPU, from that GPU's measurements that the model describes."""
-    by_gpu = group(described(measurements), lambda m: m.gpu)
-    return {g: fit(ms, gpu_spec(g), host_layers) for g, ms in sorted(by_gpu.items())}
+    """One set of constants per GPU (per `Measurement.setup`: a GPU, and an engine other than vLLM apart), from
+    its measurements that the model describes. A vLLM setup's key is its GPU's name (what `constants_for` looks
+    up); another engine's never is one."""
+    by_setup = group(described(measurements), lambda m: m.setup)
+    return {k: fit(ms, gpu_spec(ms[0].gpu), host_layers) for k, ms in sorted(by_setup.items())}
 
 
 def fitted_cost(gpu: GpuSpec, model: ModelSpec, data_dir: Path = DATA_DIR) -> tuple[StepCost, str]:
     """The simulator's StepCost for `model` on `gpu` from this fit (`constants_for`, fitted on all of that GPU's
     data the model describes; the host time by the model's layers), and where the constants came from."""
-    measurements = described(load_all(data_dir))
+    measurements = [m for m in described(load_all(data_dir)) if not m.engine]
     name = gpu.name if any(m.gpu == gpu.name for m in measurements) else FALLBACK_GPU
     fitted = {name: fit([m for m in measurements if m.gpu == name], gpu_spec(name))}
     constants, origin = constants_for(gpu, fitted)
@@ -450,7 +486,7 @@ class HeldOut:
     """One model on one GPU, predicted by constants fitted without any of that model's measurements."""
 
     model: str
-    gpu: str
+    gpu: str  # the setup: the GPU, and the engine where it is not vLLM
     params: int
     points: int
     errors: tuple[float, ...]  # predicted / measured - 1, per measurement the model describes
@@ -478,18 +514,18 @@ def errors_of(constants: GpuConstants, measurements: Sequence[Measurement]) -> t
 
 
 def leave_one_model_out(measurements: Sequence[Measurement], host_layers: int = LAYER_REF) -> list[HeldOut]:
-    """For every model and GPU: fit that GPU's constants on the other models (the points the model describes),
-    predict this one, both its described points and those outside."""
+    """For every model and GPU (setup: `Measurement.setup`): fit that setup's constants on the other models (the
+    points the model describes), predict this one, both its described points and those outside."""
     out = []
-    for gpu, ms in sorted(group(measurements, lambda m: m.gpu).items()):
+    for setup, ms in sorted(group(measurements, lambda m: m.setup).items()):
         for model, held in sorted(group(ms, lambda m: m.model).items()):
             rest = described(m for m in ms if m.model != model)
             inside = described(held)
             if not rest or not inside:
                 continue
-            c = fit(rest, gpu_spec(gpu), host_layers)
+            c = fit(rest, gpu_spec(ms[0].gpu), host_layers)
             outside = [m for m in held if m.outside]
-            out.append(HeldOut(model, gpu, held[0].spec.params, len(inside), errors_of(c, inside),
+            out.append(HeldOut(model, setup, held[0].spec.params, len(inside), errors_of(c, inside),
                                errors_of(c, outside)))
     return sorted(out, key=lambda h: (h.gpu, h.params))
 
@@ -498,7 +534,7 @@ def format_constants(constants: dict[str, GpuConstants]) -> str:
     lines = ["| GPU | bandwidth TB/s (of datasheet) | FLOP/s T (of peak) | host per step ms | host per seq us |",
              "|---|---:|---:|---:|---:|"]
     for name, c in constants.items():
-        gpu = gpu_spec(name)
+        gpu = gpu_spec(name.split(",")[0])  # a setup: the GPU, and an engine other than vLLM
         lines.append(f"| {name} | {c.bandwidth_bps / 1e12:.2f} ({c.bandwidth_bps / gpu.bandwidth_bps:.0%}) | "
                      f"{c.flop_rate / 1e12:.0f} ({c.flop_rate / gpu.peak_flops:.0%}) | {c.host_step_s * 1e3:.2f} | "
                      f"{c.host_per_seq_s * 1e6:.1f} |")
@@ -535,10 +571,12 @@ def report(data_dir: Path = DATA_DIR, host_layers: int = LAYER_REF) -> str:
     inside = described(measurements)
     models = sorted({m.model for m in measurements})
     gpus = sorted({m.gpu for m in measurements})
+    setups = sorted({m.setup for m in measurements})
     held = leave_one_model_out(measurements, host_layers)
     per_step = f"host per step x layers / {host_layers}" if host_layers else "one host time a step for every model"
     return "\n\n".join([
-        f"{len(measurements)} measurements, {len(models)} models ({', '.join(models)}), {len(gpus)} GPUs; "
+        f"{len(measurements)} measurements, {len(models)} models ({', '.join(models)}), {len(gpus)} GPUs, "
+        f"{len(setups)} sets of constants (a GPU, and an engine other than vLLM apart); "
         f"{len(measurements) - len(inside)} on a kernel the model does not describe (vLLM V0's PagedAttention V1 "
         "over several partitions: sliding-window models at num_seqs x num_heads > 512), not fitted, not judged",
         f"Constants fitted on all the data the model describes ({per_step}; mean abs error over the held-out table: "

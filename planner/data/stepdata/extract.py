@@ -3,6 +3,7 @@ and the H200 file from this project's own GPU runs.
 
     python planner/data/stepdata/extract.py BSC_GIT_DIR ARGONNE_GIT_DIR
     python planner/data/stepdata/extract.py qwen QWEN_GIT_DIR
+    python planner/data/stepdata/extract.py ft FASTERTRANSFORMER_GIT_DIR
     python planner/data/stepdata/extract.py own docs/bench/gpu
 
 Each argument is a clone (or bare git directory) of the repository named in the CSV's header, at the commit named
@@ -34,6 +35,10 @@ QWEN_FILE = "qwen-vllm063-a100-80gb.csv"
 QWEN_COMMIT = "010c37c33b13a1ac59944b349620e13404efe97d"
 QWEN_DOC = "docs/source/benchmark/speed_benchmark.rst"
 QWEN_OUTPUT = 2048  # "generating 2048 tokens" (the document's notes)
+FT_FILE = "fastertransformer50-a100-80gb.csv"
+FT_COMMIT = "a44c38134cefe17a81c269b6ec23d91cfe4e7216"  # tag release/v5.0_tag
+FT_DOC = "docs/gpt_guide.md"
+FT_MODELS = ("350M", "1.3B", "6.7B", "20B")  # the single-GPU tables ("#### Performance of GPT-<size>")
 
 
 def write_keeping_header(path: Path, rows: list[list[str]]) -> None:
@@ -189,8 +194,37 @@ def write_qwen(repo: Path) -> None:
     print(f"{path}: {len(out) - 1} rows")
 
 
+def ft_rows(text: str) -> list[list[str]]:
+    """The rows of each "#### Performance of GPT-<size>" table of FasterTransformer's GPT guide for the sizes of
+    FT_MODELS: [model, batch, input length, output length, latency ms on one GPU]. Every such table's fourth column
+    is the one-GPU latency ("FT Latency (ms)", or for GPT-20B "Latency of single GPU (ms)"); blank separator rows
+    and "OOM" cells are left out."""
+    rows, model = [], ""
+    for line in text.splitlines():
+        heading = re.match(r"^####\s+Performance of GPT-(\S+)\s*$", line)
+        if heading:
+            model = f"gpt-{heading.group(1).lower()}" if heading.group(1) in FT_MODELS else ""
+        elif line.startswith("####"):
+            model = ""
+        elif model and line.startswith("|"):
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            if len(cells) > 3 and cells[0].isdigit() and re.fullmatch(r"[0-9.]+", cells[3]):
+                rows.append([model, cells[0], cells[1], cells[2], cells[3]])
+    return rows
+
+
+def write_ft(repo: Path) -> None:
+    out = [["gpu", "model", "batch", "input_len", "output_len", "latency_ms"]]
+    out += [["A100-80GB", *row] for row in ft_rows(git_show(repo, FT_COMMIT, FT_DOC))]
+    path = HERE / FT_FILE
+    write_keeping_header(path, out)
+    print(f"{path}: {len(out) - 1} rows")
+
+
 if __name__ == "__main__":
-    if sys.argv[1] == "own":
+    if sys.argv[1] == "ft":
+        write_ft(Path(sys.argv[2]))
+    elif sys.argv[1] == "own":
         write_own(Path(sys.argv[2]))
     elif sys.argv[1] == "qwen":
         write_qwen(Path(sys.argv[2]))
