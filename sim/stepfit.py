@@ -5,7 +5,9 @@ windows of OPT-1.3B to Llama-2-13B on an H100 64 GB (vLLM 0.5.2), whole-batch la
 A100 40 GB, an H100 80 GB and a GH200, Qwen's published single-request speeds of Qwen2.5-0.5B to -14B on an A100 80
 GB (vLLM 0.6.3), this project's own closed loops of OPT-1.3B and Qwen3-1.7B on an H200 (vLLM 0.26.0,
 docs/bench/gpu/), and NVIDIA's published static-batch latencies of GPT-350M to GPT-20B with FasterTransformer 5.0
-on an A100 80 GB (another engine: its constants are fitted apart from vLLM's on that card). Each measurement is
+on an A100 80 GB (another engine: its constants are fitted apart from vLLM's on that card), and PaddleNLP's
+published FastGeneration latencies of GPT-2 (124M) to GPT-2 large, OPT-125M and OPT-350M on a V100 (two builds, each
+fitted apart). Each measurement is
 turned into the engine steps it consisted of (so many prefill steps of this size, so many decode steps of that batch
 and context), and the model prices every step as `sim/steptime.py` does, with four constants per GPU:
 
@@ -53,11 +55,14 @@ OWN_FILE = "own-vllm026-h200.csv"  # this project's own GPU runs (vLLM 0.26.0 on
 QWEN_FILE = "qwen-vllm063-a100-80gb.csv"
 FT_FILE = "fastertransformer50-a100-80gb.csv"  # another engine: its constants are fitted apart (`Measurement.setup`)
 FT_ENGINE = "FasterTransformer 5.0"
+PADDLE_FILE = "paddlenlp-fastgen-v100-16gb.csv"  # two builds of one more engine, each fitted apart
+PADDLE_ENGINE = "PaddleNLP FastGeneration"
 # GH200 (Grace Hopper, 96 GB HBM3 part): 4.0 TB/s, the H100's 989 TFLOP/s dense bf16. A100 80 GB (SXM4: 2.039 TB/s
 # HBM2e, 312 TFLOP/s; the Qwen source does not say SXM or PCIe, whose 1.935 TB/s the fitted bandwidth absorbs). Not
 # in sim/gpus.py because only this fit uses them.
 EXTRA_GPUS = {"GH200": GpuSpec("GH200", 96 * GIB, 4.0e12, 989e12),
-              "A100-80GB": GpuSpec("A100-80GB", 80 * GIB, 2.039e12, 312e12)}
+              "A100-80GB": GpuSpec("A100-80GB", 80 * GIB, 2.039e12, 312e12),
+              "V100-16GB": GpuSpec("V100-16GB", 16 * GIB, 900e9, 125e12)}  # SXM2: HBM2, FP16 tensor cores
 DECODE_BINS = 16  # a batch's decode steps are priced at this many context lengths (midpoints); exact while linear
 HUBER_DELTA = 0.05
 PREFILL_BUDGET_CAP = 32768  # vLLM caps max_num_batched_tokens by max_model_len; long-context models chunk
@@ -209,17 +214,21 @@ def batch_steps(spec: ModelSpec, batch: int, prompt: int, out: int) -> tuple[Ste
     return tuple(s for s in steps if s.count > 0)
 
 
+def decode_steps(batch: int, first_context: int, out: int) -> tuple[Steps, ...]:
+    """`out` decode steps of `batch` sequences, one token each, whose contexts attended grow from `first_context` to
+    `first_context + out - 1` (priced at DECODE_BINS midpoints)."""
+    edges = np.linspace(first_context, first_context + out, DECODE_BINS + 1)
+    return tuple(Steps(out / DECODE_BINS, batch, batch, batch * ctx, batch * ctx, batch)
+                 for ctx in (edges[:-1] + edges[1:]) / 2)
+
+
 def static_batch_steps(batch: int, prompt: int, out: int) -> tuple[Steps, ...]:
     """FasterTransformer's static batch: one context pass over all B x P prompt tokens (its KV written, no LM head),
     then O decode steps of B sequences, the first of which runs the last prompt token again and samples the first
     output (ParallelGpt.cc: the context decoder caches P - 1 tokens; the steps run from P to P + O - 1), so the
     contexts attended grow from P to P + O - 1."""
-    steps = [Steps(1, batch * prompt, 0, 0.0, batch * prompt * (prompt + 1) / 2, batch)]
-    edges = np.linspace(prompt, prompt + out, DECODE_BINS + 1)
-    for lo, hi in zip(edges[:-1], edges[1:]):
-        ctx = (lo + hi) / 2
-        steps.append(Steps(out / DECODE_BINS, batch, batch, batch * ctx, batch * ctx, batch))
-    return tuple(steps)
+    return (Steps(1, batch * prompt, 0, 0.0, batch * prompt * (prompt + 1) / 2, batch),
+            *decode_steps(batch, prompt, out))
 
 
 @dataclass(frozen=True)
@@ -342,13 +351,27 @@ def load_ft(path: Path, data_dir: Path = DATA_DIR) -> list[Measurement]:
             for r in rows]
 
 
+def load_paddle(path: Path, data_dir: Path = DATA_DIR) -> list[Measurement]:
+    """PaddleNLP FastGeneration's published latencies of one generate() call: B prompts of one token, O steps of B
+    sequences (`decode_steps`: the first runs the prompt's token, so the contexts grow from 1 to O; no context pass).
+    Each build (CUDA 10.1, CUDA 11.2) is an engine of its own, fitted apart."""
+    _, rows = read_csv(path)
+    if any(r["input_len"] != "1" for r in rows):
+        raise ValueError(f"{path}: only prompts of one token are described (input_len 1)")
+    specs = {name: model_spec(name, data_dir) for name in {r["model"] for r in rows}}
+    return [Measurement("paddle", r["gpu"], r["model"], f"B={r['batch']} O={r['output_len']}",
+                        float(r["latency_ms"]) / 1e3, decode_steps(int(r["batch"]), 1, int(r["output_len"])),
+                        specs[r["model"]], engine=f"{PADDLE_ENGINE} ({r['build']})")
+            for r in rows]
+
+
 def load_all(data_dir: Path = DATA_DIR) -> list[Measurement]:
-    """Every measurement of the five sources; argonne rows longer than the model's context (vLLM rejects them at
+    """Every measurement of the six sources; argonne rows longer than the model's context (vLLM rejects them at
     once) or that would preempt are left out. Rows on a kernel the model does not describe are kept, marked
     `outside`."""
     return (load_bsc(data_dir / BSC_FILE, data_dir) + load_argonne(data_dir / ARGONNE_FILE, data_dir)
             + load_qwen(data_dir / QWEN_FILE, data_dir) + load_own(data_dir / OWN_FILE, data_dir)
-            + load_ft(data_dir / FT_FILE, data_dir))
+            + load_ft(data_dir / FT_FILE, data_dir) + load_paddle(data_dir / PADDLE_FILE, data_dir))
 
 
 def described(measurements: Iterable[Measurement]) -> list[Measurement]:
@@ -431,21 +454,31 @@ def start_for(gpu: GpuSpec, host_layers: int = LAYER_REF) -> GpuConstants:
     return GpuConstants(0.6 * gpu.bandwidth_bps, 0.5 * gpu.peak_flops, 1e-3, 20e-6, host_layers)
 
 
-def fit(measurements: Sequence[Measurement], gpu: GpuSpec, host_layers: int = LAYER_REF, rounds: int = 4,
+FIT_TOL = 1e-6  # a restart that lowers the loss by less than this share of it ends the search
+
+
+def fit(measurements: Sequence[Measurement], gpu: GpuSpec, host_layers: int = LAYER_REF, rounds: int = 40,
         iters: int = 250) -> GpuConstants:
     """Minimize `log_loss` over `gpu`'s constants (rates `capped` at its datasheet) from `start_for`; Nelder-Mead
-    restarted from its best point `rounds` times. Where every step has as many sequences as every other (batch-1
-    data), host_per_seq_s would only repeat host_step_s: it is 0, not fitted."""
+    restarted from its best point until a restart gains less than FIT_TOL of the loss (at most `rounds` times). A
+    fixed few restarts stopped in a flat valley (the H200's OPT-1.3B alone, where host time and bandwidth trade
+    freely) wherever the last one happened to be, and that point moved with the machine's floating-point rounding.
+    Where every step has as many sequences as every other (batch-1 data), host_per_seq_s would only repeat
+    host_step_s: it is 0, not fitted."""
     table = StepTable.of(measurements)
     free = 4 if np.ptp(table.seqs) > 0 else 3
 
-    def constants(v: np.ndarray) -> GpuConstants:
-        return GpuConstants.from_vector(v, host_layers).capped(gpu)
+    def loss(v: np.ndarray) -> float:
+        return log_loss(table, GpuConstants.from_vector(v, host_layers).capped(gpu))
 
     x = start_for(gpu, host_layers).vector()[:free]
+    best = loss(x)
     for _ in range(rounds):
-        x = nelder_mead(lambda v: log_loss(table, constants(v)), x, np.full(free, 0.3), iters)
-    return constants(x)
+        x = nelder_mead(loss, x, np.full(free, 0.3), iters)
+        gained, best = best - loss(x), loss(x)
+        if gained <= FIT_TOL * best:
+            break
+    return GpuConstants.from_vector(x, host_layers).capped(gpu)
 
 
 def fit_per_gpu(measurements: Sequence[Measurement], host_layers: int = LAYER_REF) -> dict[str, GpuConstants]:

@@ -168,7 +168,8 @@ def test_report_sets_the_measurements_beside_the_papers_and_the_simulator(stored
 
 def test_the_step_time_model_is_held_against_a_run_with_constants_fitted_without_its_model() -> None:
     """The fourth GPU run (Qwen3-1.7B, H200), as stored: its report prices each closed-loop point's mean step with
-    H200 constants fitted on the other model's runs only (OPT-1.3B), so the comparison is a held-out one."""
+    H200 constants fitted on the other model's runs only (OPT-1.3B), so the comparison is a held-out one: within 10%
+    up to B = 64; the point stored as B = 256, which held 100 streams, over-predicted."""
     out = Path(__file__).resolve().parent.parent / "docs/bench/gpu/qwen3-1.7b-2026-11-29"
     points = load_profile(out / "frontier").points
     settings = gpu_preset("synthetic:qwen3-1.7b", out)
@@ -177,15 +178,19 @@ def test_the_step_time_model_is_held_against_a_run_with_constants_fitted_without
     rows = [line.split("|")[1:-1] for line in text.splitlines() if line.startswith("| ") and "---" not in line][1:]
     assert [int(r[0]) for r in rows] == [1, 16, 64, 256]
     assert [float(r[3]) for r in rows] == [2.20, 2.35, 3.41, 4.76]  # mean time per output token, ms
-    assert all(abs(float(r[5].strip().rstrip("%"))) <= 25 for r in rows)
+    errors = [float(r[5].strip().rstrip("%")) for r in rows]
+    assert all(abs(e) <= 10 for e in errors[:3])  # B = 1, 16, 64
+    assert errors[3] > 25  # "B = 256" held 100 streams (the client's connection cap, docs/bench/gpu/README.md)
     assert heldout_constants(settings, "NVIDIA L40S") is None and stepfit_section(settings, points, None) is None
 
 
 def test_simulator_gpu_names_and_predictions() -> None:
     """The simulator's replica counts price steps with the step-time model's constants for the GPU, fitted without
-    the run's model: on the H200 (vLLM 0.26, a step's host time under 1 ms) two Qwen3-1.7B replicas at 100 each
-    come out at +38% over one (measured: +45% through the gateway, +13% straight), where the papers' vLLM 0.5.2
-    host time (StepCost's default) gave +42%, and one host time for every model +22%."""
+    the run's model. On the H200, fitted on OPT-1.3B alone, host time and bandwidth trade almost freely; the search
+    run to convergence (2026-12-02) ends with no host time a step and 1.59 TB/s, where two Qwen3-1.7B replicas at
+    100 each come out at +4% over one (measured: +45% through the gateway, +13% straight). A search stopped after
+    four restarts had ended elsewhere in that valley (0.88 ms for Qwen3's 28 layers: +38%), and where it ended moved
+    with the machine's rounding (docs/bench/gpu/README.md)."""
     assert sim_gpu("NVIDIA H100 80GB HBM3") == "H100-80GB" and sim_gpu("NVIDIA H200") == "H200"
     assert sim_gpu("NVIDIA L40S") is None and sim_gpu(None) is None
     s = gpu_preset("synthetic:opt-1.3b", Path("/tmp/x"))
@@ -199,7 +204,7 @@ def test_simulator_gpu_names_and_predictions() -> None:
     # from OPT-1.3B's H200 points alone, a step's host time for Qwen3-1.7B's 28 layers
     assert held.constants.step_cost(get_gpu("H200"), load_model("qwen3-1.7b")).host_step_s < 1e-3
     on_h200 = sim_prediction(qwen, held, 100, 0.45, (1, 2))
-    assert 1.3 < on_h200[2] / on_h200[1] < 1.45
+    assert 1.0 < on_h200[2] / on_h200[1] < 1.1
 
 
 GPU_LOG = """\

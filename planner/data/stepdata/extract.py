@@ -4,10 +4,11 @@ and the H200 file from this project's own GPU runs.
     python planner/data/stepdata/extract.py BSC_GIT_DIR ARGONNE_GIT_DIR
     python planner/data/stepdata/extract.py qwen QWEN_GIT_DIR
     python planner/data/stepdata/extract.py ft FASTERTRANSFORMER_GIT_DIR
+    python planner/data/stepdata/extract.py paddle PADDLENLP_PERF_README
     python planner/data/stepdata/extract.py own docs/bench/gpu
 
 Each argument is a clone (or bare git directory) of the repository named in the CSV's header, at the commit named
-there. Only numbers read from those files are written; the header says how each column was derived.
+there; for `paddle`, the one file the header names (that repository is too large to clone here). Only numbers read from those files are written; the header says how each column was derived.
 """
 
 from __future__ import annotations
@@ -39,6 +40,10 @@ FT_FILE = "fastertransformer50-a100-80gb.csv"
 FT_COMMIT = "a44c38134cefe17a81c269b6ec23d91cfe4e7216"  # tag release/v5.0_tag
 FT_DOC = "docs/gpt_guide.md"
 FT_MODELS = ("350M", "1.3B", "6.7B", "20B")  # the single-GPU tables ("#### Performance of GPT-<size>")
+PADDLE_FILE = "paddlenlp-fastgen-v100-16gb.csv"
+PADDLE_MODELS = {"gpt2": "gpt2", "gpt2-medium": "gpt2-medium", "gpt2-large": "gpt2-large", "opt-125m": "opt-125m",
+                 "opt-350m": "opt-350m"}
+PADDLE_BATCH, PADDLE_PROMPT, PADDLE_OUTPUT = 4, 1, 32  # "Batch Size: 4", "Max Length: 32"; gpt_perf.py's one bos token
 
 
 def write_keeping_header(path: Path, rows: list[list[str]]) -> None:
@@ -221,8 +226,40 @@ def write_ft(repo: Path) -> None:
     print(f"{path}: {len(out) - 1} rows")
 
 
+def paddle_rows(text: str) -> list[list[str]]:
+    """The FP16 greedy rows (top_k 1) of the GPT and OPT tables of PaddleNLP's FastGeneration performance page, under
+    each of its two builds ("CUDA 10.1 ...", "CUDA 11.2 ..."): [build, model, latency ms]. A model's name is in its
+    first row (the GPT tables' "(gpt2-medium)", the OPT tables' "opt-125m"); other tables (BART, CodeGen on another
+    card, Pegasus) are left out."""
+    rows, build, table, model = [], "", False, ""
+    for line in text.splitlines():
+        cuda = re.match(r"^(CUDA \d+\.\d+),", line)
+        if cuda:
+            build = cuda.group(1)
+        elif line.startswith("**"):
+            table = bool(re.match(r"^\*\*(GPT|OPT)\b", line))
+        elif table and line.startswith("|"):
+            named = re.search(r"\((gpt2[-a-z]*)\)|^\|\s*(opt-\d+m)\s*\|", line)
+            model = (named.group(1) or named.group(2)) if named else model
+            greedy = re.search(r"top_k\s*=\s*1\s*\|([^|]+)\|([^|]+)\|", line)
+            if greedy and model in PADDLE_MODELS:
+                rows.append([build, PADDLE_MODELS[model], greedy.group(2).strip()])
+    return rows
+
+
+def write_paddle(readme: Path) -> None:
+    out = [["gpu", "build", "model", "batch", "input_len", "output_len", "latency_ms"]]
+    out += [["V100-16GB", build, model, str(PADDLE_BATCH), str(PADDLE_PROMPT), str(PADDLE_OUTPUT), ms]
+            for build, model, ms in paddle_rows(readme.read_text())]
+    path = HERE / PADDLE_FILE
+    write_keeping_header(path, out)
+    print(f"{path}: {len(out) - 1} rows")
+
+
 if __name__ == "__main__":
-    if sys.argv[1] == "ft":
+    if sys.argv[1] == "paddle":
+        write_paddle(Path(sys.argv[2]))
+    elif sys.argv[1] == "ft":
         write_ft(Path(sys.argv[2]))
     elif sys.argv[1] == "own":
         write_own(Path(sys.argv[2]))
