@@ -518,7 +518,9 @@ def test_calibration_takes_a_given_way_out_and_the_cli_names_a_bad_one(tmp_path:
 
 async def test_a_served_replica_sends_its_first_token_later_by_its_way_out(aiohttp_server: Any) -> None:
     """The same lone request through two replicas of one model, one with a 30 ms way out: its TTFT at the client
-    is that much later, while the replica's own vLLM-style TTFT (`vllm:time_to_first_token_seconds`) is not."""
+    is that much later, while the replica's own vLLM-style TTFT (`vllm:time_to_first_token_seconds`) is not. Each
+    replica takes one request first, untimed: on a slow VM the first request of a fresh server and session paid
+    about 15 ms of its own (2026-12-02), enough to hide half the way out."""
     import time
 
     model = ReplicaModel(model_name="m", step_s=((1, 0.005),), prefill_s_per_token=0.0, frontend_s=0.001,
@@ -531,15 +533,19 @@ async def test_a_served_replica_sends_its_first_token_later_by_its_way_out(aioht
         server = await aiohttp_server(make_app(engine, "m", frontend=frontend))
         body = {"model": "m", "prompt": [1, 2], "max_tokens": 4, "ignore_eos": True, "stream": True}
         async with aiohttp.ClientSession() as session:
-            start = time.perf_counter()
-            async with session.post(server.make_url("/v1/completions"), json=body) as resp:
-                assert resp.status == 200
-                await resp.content.readline()  # the first chunk's data line
-                ttfts.append(time.perf_counter() - start)
-                await resp.read()
+            for _ in range(2):  # the first one warms the server and the session; the second is timed
+                start = time.perf_counter()
+                async with session.post(server.make_url("/v1/completions"), json=body) as resp:
+                    assert resp.status == 200
+                    await resp.content.readline()  # the first chunk's data line
+                    ttft = time.perf_counter() - start
+                    await resp.read()
+            ttfts.append(ttft)
             async with session.get(server.make_url("/metrics")) as resp:
                 text = await resp.text()
-        engine_ttft = next(float(line.split()[-1]) for line in text.splitlines()
-                           if line.startswith("vllm:time_to_first_token_seconds_sum"))
+        metric = {line.split("{")[0].split()[0]: float(line.split()[-1]) for line in text.splitlines()
+                  if line.startswith("vllm:time_to_first_token_seconds_")}
+        assert metric["vllm:time_to_first_token_seconds_count"] == 2
+        engine_ttft = metric["vllm:time_to_first_token_seconds_sum"] / 2
         assert engine_ttft < 0.02, engine_ttft
     assert 0.02 < ttfts[1] - ttfts[0] < 0.05, ttfts
