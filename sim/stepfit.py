@@ -206,11 +206,7 @@ def batch_steps(spec: ModelSpec, batch: int, prompt: int, out: int) -> tuple[Ste
     steps = [Steps(full, per_step * prompt, per_step, 0.0, per_step * prompt * (prompt + 1) / 2, per_step)]
     if rest:
         steps.append(Steps(1, rest * prompt, rest, 0.0, rest * prompt * (prompt + 1) / 2, rest))
-    n_dec = out - 1
-    edges = np.linspace(prompt + 1, prompt + out, DECODE_BINS + 1)
-    for lo, hi in zip(edges[:-1], edges[1:]):
-        ctx = (lo + hi) / 2
-        steps.append(Steps(n_dec / DECODE_BINS, batch, batch, batch * ctx, batch * ctx, batch))
+    steps += decode_steps(batch, prompt + 1, out - 1)
     return tuple(s for s in steps if s.count > 0)
 
 
@@ -475,7 +471,8 @@ def fit(measurements: Sequence[Measurement], gpu: GpuSpec, host_layers: int = LA
     best = loss(x)
     for _ in range(rounds):
         x = nelder_mead(loss, x, np.full(free, 0.3), iters)
-        gained, best = best - loss(x), loss(x)
+        now = loss(x)
+        gained, best = best - now, now
         if gained <= FIT_TOL * best:
             break
     return GpuConstants.from_vector(x, host_layers).capped(gpu)

@@ -8,7 +8,8 @@ and the H200 file from this project's own GPU runs.
     python planner/data/stepdata/extract.py own docs/bench/gpu
 
 Each argument is a clone (or bare git directory) of the repository named in the CSV's header, at the commit named
-there; for `paddle`, the one file the header names (that repository is too large to clone here). Only numbers read from those files are written; the header says how each column was derived.
+there; for `paddle`, the one file the header names (that repository is too large to clone here). Only numbers read
+from those files are written; the header says how each column was derived.
 """
 
 from __future__ import annotations
@@ -41,8 +42,7 @@ FT_COMMIT = "a44c38134cefe17a81c269b6ec23d91cfe4e7216"  # tag release/v5.0_tag
 FT_DOC = "docs/gpt_guide.md"
 FT_MODELS = ("350M", "1.3B", "6.7B", "20B")  # the single-GPU tables ("#### Performance of GPT-<size>")
 PADDLE_FILE = "paddlenlp-fastgen-v100-16gb.csv"
-PADDLE_MODELS = {"gpt2": "gpt2", "gpt2-medium": "gpt2-medium", "gpt2-large": "gpt2-large", "opt-125m": "opt-125m",
-                 "opt-350m": "opt-350m"}
+PADDLE_MODELS = ("gpt2", "gpt2-medium", "gpt2-large", "opt-125m", "opt-350m")  # the page's names are the configs'
 PADDLE_BATCH, PADDLE_PROMPT, PADDLE_OUTPUT = 4, 1, 32  # "Batch Size: 4", "Max Length: 32"; gpt_perf.py's one bos token
 
 
@@ -243,7 +243,7 @@ def paddle_rows(text: str) -> list[list[str]]:
             model = (named.group(1) or named.group(2)) if named else model
             greedy = re.search(r"top_k\s*=\s*1\s*\|([^|]+)\|([^|]+)\|", line)
             if greedy and model in PADDLE_MODELS:
-                rows.append([build, PADDLE_MODELS[model], greedy.group(2).strip()])
+                rows.append([build, model, greedy.group(2).strip()])
     return rows
 
 
