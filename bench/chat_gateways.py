@@ -290,7 +290,7 @@ def where(args: argparse.Namespace) -> str:
 def replicas_of(stack: ExitStack, args: argparse.Namespace, out: Path) -> tuple[dict[str, Any], list[str]]:
     """(the gateway config to start from, the replicas' URLs), the replicas started where none are given."""
     if args.sim_config:
-        urls, _ = serve_sim(stack, args.sim_config, 2, args.port + 50, out / "sim.log")
+        urls, _ = serve_sim(stack, args.sim_config, 2, args.port + 50, out / "sim.log", str(ensure_tiny_model()))
         return {"replicas": [{"url": u, "max_num_seqs": 32} for u in urls]}, urls
     run_dir = args.deployment or out / "deploy"
     if args.deployment is None:

@@ -393,12 +393,14 @@ def hash_text(text: str) -> int:
     return zlib.crc32(text.encode()) + 1
 
 
-def serve_sim(stack: ExitStack, model: str, replicas: int, port: int, log: Path) -> tuple[list[str], list[int]]:
+def serve_sim(stack: ExitStack, model: str, replicas: int, port: int, log: Path,
+              tokenizer: str | None = None) -> tuple[list[str], list[int]]:
     """`sim serve --config model` for the length of `stack`: its replicas' URLs, and its pid (a simulated side's
-    replicas are one process)."""
+    replicas are one process). `tokenizer`: in place of the model's (a path where it was calibrated)."""
     urls = [f"http://127.0.0.1:{port + i}" for i in range(replicas)]
+    own = ["--tokenizer", tokenizer] if tokenizer else []
     sim = stack.enter_context(process([python(), "-m", "sim.cli", "serve", "--config", model, "--replicas",
-                                       str(replicas), "--port", str(port)], log, urls[-1] + "/health", 60))
+                                       str(replicas), "--port", str(port), *own], log, urls[-1] + "/health", 60))
     return urls, [sim.pid]
 
 

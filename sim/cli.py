@@ -16,6 +16,7 @@ import logging
 import signal
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from aiohttp import web
 
@@ -67,6 +68,8 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=8000, help="first replica's port (8000)")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1)")
     serve.add_argument("--served-model-name", help="model name the API uses (default: the config's)")
+    serve.add_argument("--tokenizer", help="with --config: the served model's tokenizer.json or its directory, in "
+                       "place of the one the replica model names (a path on the machine it was calibrated on)")
     serve.add_argument("--seed", type=int, default=0, help="seed for simulated EOS positions")
     serve.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     cal = sub.add_parser("calibrate", help="compare the simulator with the reference (and optionally refit)")
@@ -217,8 +220,6 @@ def way_out_arg(text: str) -> tuple[float, float]:
 
 
 def _calibrate_profile(args: argparse.Namespace) -> None:
-    from pathlib import Path
-
     from .fromprofile import CalibrationError, EngineFacts, calibrate, format_fit
 
     if not args.out:
@@ -237,13 +238,16 @@ def _calibrate_profile(args: argparse.Namespace) -> None:
     print(f"replica model -> {args.out}; serve it: sim serve --config {args.out} --replicas N --port P")
 
 
-async def serve_measured(model: ReplicaModel, replicas: int, port: int, host: str, seed: int) -> None:
-    """Replicas imitating a calibrated real one, until SIGINT/SIGTERM."""
+async def serve_measured(model: ReplicaModel, replicas: int, port: int, host: str, seed: int,
+                         tokenizer: str | None = None) -> None:
+    """Replicas imitating a calibrated real one, until SIGINT/SIGTERM; prompt tokens counted with `tokenizer`
+    (default: the model's)."""
     from .measured import FrontEnd
     from .node import MeasuredSpec
     from .server import HFCoder, make_app
 
-    coder = HFCoder(model.tokenizer) if model.tokenizer else None
+    tokenizer = tokenizer or model.tokenizer
+    coder = HFCoder(tokenizer) if tokenizer else None
     _, _, engines = MeasuredSpec(model, replicas).build(LoopClock(asyncio.get_running_loop()))
     announce = (f"{replicas} replica(s) imitating {model.model_name} ({model.source.get('profile', '?')}) at "
                 f"http://{host}:{port}..{port + replicas - 1}")
@@ -266,7 +270,12 @@ def _serve(args: argparse.Namespace) -> None:
             model = ReplicaModel.load(args.config)
         except ConfigError as exc:
             raise UsageError(str(exc)) from None
-        uvloop.run(serve_measured(model, args.replicas, args.port, args.host, args.seed))
+        tokenizer = args.tokenizer or model.tokenizer
+        if tokenizer and not Path(tokenizer).exists():
+            where = "--tokenizer" if args.tokenizer else f"{args.config}'s tokenizer (where it was calibrated)"
+            raise UsageError(f"{where}: {tokenizer} does not exist; give --tokenizer with the served model's "
+                             "tokenizer.json or its directory (the tiny model's: `deploy tiny-model` prints it)")
+        uvloop.run(serve_measured(model, args.replicas, args.port, args.host, args.seed, tokenizer))
         return
     if not args.model:
         raise UsageError("serve needs --model (a simulated architecture) or --config (a calibrated replica)")

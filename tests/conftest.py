@@ -48,6 +48,15 @@ FakeFactory = Callable[..., Awaitable[Fake]]
 GatewayFactory = Callable[..., Awaitable[GatewayUnderTest]]
 
 
+@pytest.fixture(scope="session")
+def tiny_tokenizer() -> str:
+    """The tiny model's directory (made once): the tokenizer of the replica models in docs/bench, which name the
+    path it had where they were calibrated."""
+    from deploy.tinymodel import ensure_tiny_model
+
+    return str(ensure_tiny_model())
+
+
 @pytest.fixture
 def fake_replica(aiohttp_server: Any) -> FakeFactory:
     """Start a fake replica: `await fake_replica(ttft_s=..., itl_s=..., fail=...)`."""

@@ -60,11 +60,11 @@ def test_the_fit_recovers_known_costs() -> None:
         fit(probes[:3])
 
 
-def test_the_probe_runs_against_a_simulated_replica(tmp_path: Path) -> None:
+def test_the_probe_runs_against_a_simulated_replica(tmp_path: Path, tiny_tokenizer: str) -> None:
     """One round of every shape: each probe's prompts all prefilled, its mean prefill positive, and a fit."""
     out = tmp_path / "batch.json"
     with ExitStack() as stack:
-        urls, _ = serve_sim(stack, str(MODEL), 1, free_ports(1), tmp_path / "sim.log")
+        urls, _ = serve_sim(stack, str(MODEL), 1, free_ports(1), tmp_path / "sim.log", tiny_tokenizer)
         assert main(["--replica", urls[0], "--reps", "1", "--out", str(out)]) == 0
     record = json.loads(out.read_text())
     assert len(record["probes"]) == 21 and all(p["prefill_ms"] > 0 for p in record["probes"])

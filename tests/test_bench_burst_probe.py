@@ -20,13 +20,13 @@ RUNNING = "vllm:num_requests_running"
 MODEL = ROOT / "docs" / "bench" / "sim_vs_real_replica_slowsteps_2026-11-29.json"
 
 
-def test_a_burst_costs_more_than_a_prompt_alone_and_vllms_split_adds_up(tmp_path: Path) -> None:
+def test_a_burst_costs_more_than_a_prompt_alone_and_vllms_split_adds_up(tmp_path: Path, tiny_tokenizer: str) -> None:
     """Every shape read once: vLLM's TTFT is its API server's part + queue + prefill, the client's TTFT is no
     shorter, eight prompts together wait longer for their first token than one, and one of 1,024 tokens prefills
     longer than one of 128."""
     out = tmp_path / "probe.json"
     with ExitStack() as stack:
-        urls, _ = serve_sim(stack, str(MODEL), 1, free_ports(1), tmp_path / "sim.log")
+        urls, _ = serve_sim(stack, str(MODEL), 1, free_ports(1), tmp_path / "sim.log", tiny_tokenizer)
         assert main(["--replica", urls[0], "--reps", "1", "--out", str(out)]) == 0
     rows = {r["shape"]: r for r in json.loads(out.read_text())["readings"]}
     assert list(rows) == list(SHAPES)
@@ -38,13 +38,13 @@ def test_a_burst_costs_more_than_a_prompt_alone_and_vllms_split_adds_up(tmp_path
     assert rows["1 x 1024"]["prefill_ms"] > 3 * rows["1 x 128"]["prefill_ms"]
 
 
-def test_under_streaming_load_a_prompt_waits_for_the_steps_of_the_streams(tmp_path: Path) -> None:
+def test_under_streaming_load_a_prompt_waits_for_the_steps_of_the_streams(tmp_path: Path, tiny_tokenizer: str) -> None:
     """`--background 0,8`: with 8 requests streaming, the engine steps (a step per background token, about one a
     token a chunk), and a prompt's prefill shares its step with their decode, so it takes longer than alone; the
     streams end with the probe (the replica runs nothing after it)."""
     out = tmp_path / "loaded.json"
     with ExitStack() as stack:
-        urls, _ = serve_sim(stack, str(MODEL), 1, free_ports(1), tmp_path / "sim.log")
+        urls, _ = serve_sim(stack, str(MODEL), 1, free_ports(1), tmp_path / "sim.log", tiny_tokenizer)
         assert main(["--replica", urls[0], "--background", "0,8", "--reps", "1", "--out", str(out)]) == 0
         deadline = time.monotonic() + 10
         while counters(urls, (RUNNING,))[RUNNING] and time.monotonic() < deadline:

@@ -17,13 +17,14 @@ ROOT = Path(__file__).resolve().parent.parent
 MODEL = ROOT / "docs" / "bench" / "sim_vs_real_replica_slowsteps_2026-11-29.json"
 
 
-def test_a_closed_loop_splits_its_first_tokens_and_a_full_budget_makes_requests_queue(tmp_path: Path) -> None:
+def test_a_closed_loop_splits_its_first_tokens_and_a_full_budget_makes_requests_queue(
+        tmp_path: Path, tiny_tokenizer: str) -> None:
     """B = 2 and B = 16 clients, 2 requests each: every request counted, vLLM's parts add up to its TTFT, the
     client's TTFT is no shorter, and 16 prompts of 256 tokens started together (4,096 tokens against a budget of
     2,048 a step) wait in vLLM's queue where 2 do not."""
     out = tmp_path / "rounds.json"
     with ExitStack() as stack:
-        urls, _ = serve_sim(stack, str(MODEL), 1, free_ports(1), tmp_path / "sim.log")
+        urls, _ = serve_sim(stack, str(MODEL), 1, free_ports(1), tmp_path / "sim.log", tiny_tokenizer)
         assert main(["--replica", urls[0], "--batch-sizes", "2,16", "--reps", "1", "--requests", "2",
                      "--output", "8", "--out", str(out)]) == 0
     record = json.loads(out.read_text())

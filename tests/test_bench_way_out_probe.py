@@ -48,7 +48,8 @@ def test_the_way_out_is_the_line_through_real_less_simulated_and_never_below_zer
     assert lines(None) == []
 
 
-def test_a_model_given_a_way_out_probes_as_that_way_out_against_the_same_model_without(tmp_path: Path) -> None:
+def test_a_model_given_a_way_out_probes_as_that_way_out_against_the_same_model_without(
+        tmp_path: Path, tiny_tokenizer: str) -> None:
     """The plain calibration and the same with 8 ms + 1.5 ms a stream, each served alone and probed beside 0 and 8
     streams. The probe is a request of one token sent whole, so this also checks that such a response takes the
     way out once. The fit comes back within the event loop's noise (a few ms on this machine)."""
@@ -57,7 +58,7 @@ def test_a_model_given_a_way_out_probes_as_that_way_out_against_the_same_model_w
     probes = []
     for path in (given, MODEL):
         with ExitStack() as stack:
-            urls, _ = serve_sim(stack, str(path), 1, free_ports(1), tmp_path / "sim.log")
+            urls, _ = serve_sim(stack, str(path), 1, free_ports(1), tmp_path / "sim.log", tiny_tokenizer)
             probes.append(probe_outside(urls[0], backgrounds=(0, 8), reps=3, window_s=0.1))
     with_way_out, plain = probes
     assert [p.background for p in plain] == [0, 8]

@@ -180,6 +180,15 @@ def test_sim_calibrate_and_serve_command_lines(tmp_path: Path) -> None:
     both = subprocess.run([sys.executable, "-m", "sim.cli", "serve", "--config", str(out), "--model", "opt-125m"],
                           capture_output=True, text=True, timeout=60)
     assert both.returncode == 2 and "not both" in both.stderr
+    elsewhere = tmp_path / "elsewhere.json"  # a replica model calibrated on another machine names its tokenizer there
+    elsewhere.write_text(replace(ReplicaModel.load(out), tokenizer="/nowhere/tiny-opt").to_json())
+    serve = [sys.executable, "-m", "sim.cli", "serve", "--config", str(elsewhere)]
+    missing = subprocess.run(serve, capture_output=True, text=True, timeout=60)
+    assert missing.returncode == 2 and "/nowhere/tiny-opt does not exist" in missing.stderr
+    assert "--tokenizer" in missing.stderr and "Traceback" not in missing.stderr
+    wrong = subprocess.run(serve + ["--tokenizer", str(tmp_path / "none")], capture_output=True, text=True,
+                           timeout=60)
+    assert wrong.returncode == 2 and "--tokenizer: " in wrong.stderr and "Traceback" not in wrong.stderr
 
 
 def test_the_front_end_is_a_queue_one_request_at_a_time() -> None:
