@@ -287,10 +287,12 @@ def where(args: argparse.Namespace) -> str:
     return "two real vLLM-CPU replicas of the tiny model (`deploy up`)"
 
 
-def replicas_of(stack: ExitStack, args: argparse.Namespace, out: Path) -> tuple[dict[str, Any], list[str]]:
-    """(the gateway config to start from, the replicas' URLs), the replicas started where none are given."""
+def replicas_of(stack: ExitStack, args: argparse.Namespace, out: Path, tokenizer: str
+                ) -> tuple[dict[str, Any], list[str]]:
+    """(the gateway config to start from, the replicas' URLs), the replicas started where none are given; simulated
+    ones count prompt tokens with `tokenizer` (the tiny model's)."""
     if args.sim_config:
-        urls, _ = serve_sim(stack, args.sim_config, 2, args.port + 50, out / "sim.log", str(ensure_tiny_model()))
+        urls, _ = serve_sim(stack, args.sim_config, 2, args.port + 50, out / "sim.log", tokenizer)
         return {"replicas": [{"url": u, "max_num_seqs": 32} for u in urls]}, urls
     run_dir = args.deployment or out / "deploy"
     if args.deployment is None:
@@ -337,7 +339,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     tokenizer = str(ensure_tiny_model())
     with ExitStack() as stack:
         pending = [run for run in setup.runs() if run not in done]  # a rerun in the same --out measures the rest
-        base, replicas = replicas_of(stack, args, args.out) if pending else ({}, [])
+        base, replicas = replicas_of(stack, args, args.out, tokenizer) if pending else ({}, [])
         for run in pending:
             row = measure(run, setup, base, replicas, tokenizer, args.out / "runs" / run.name)
             done[run] = row

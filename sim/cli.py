@@ -239,14 +239,13 @@ def _calibrate_profile(args: argparse.Namespace) -> None:
 
 
 async def serve_measured(model: ReplicaModel, replicas: int, port: int, host: str, seed: int,
-                         tokenizer: str | None = None) -> None:
-    """Replicas imitating a calibrated real one, until SIGINT/SIGTERM; prompt tokens counted with `tokenizer`
-    (default: the model's)."""
+                         tokenizer: str | None) -> None:
+    """Replicas imitating a calibrated real one, until SIGINT/SIGTERM; prompt tokens counted with `tokenizer` (none:
+    estimated)."""
     from .measured import FrontEnd
     from .node import MeasuredSpec
     from .server import HFCoder, make_app
 
-    tokenizer = tokenizer or model.tokenizer
     coder = HFCoder(tokenizer) if tokenizer else None
     _, _, engines = MeasuredSpec(model, replicas).build(LoopClock(asyncio.get_running_loop()))
     announce = (f"{replicas} replica(s) imitating {model.model_name} ({model.source.get('profile', '?')}) at "

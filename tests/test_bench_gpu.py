@@ -188,9 +188,9 @@ def test_simulator_gpu_names_and_predictions() -> None:
     """The simulator's replica counts price steps with the step-time model's constants for the GPU, fitted without
     the run's model. On the H200, fitted on OPT-1.3B alone, host time and bandwidth trade almost freely; the search
     run to convergence from four starts (2026-12-02) ends with no host time a step and 1.59 TB/s, where two
-    Qwen3-1.7B replicas at 100 each come out at +4% over one (measured: +45% through the gateway, +13% straight). A search stopped after
-    four restarts had ended elsewhere in that valley (0.88 ms for Qwen3's 28 layers: +38%), and where it ended moved
-    with the machine's rounding (docs/bench/gpu/README.md)."""
+    Qwen3-1.7B replicas at 100 each come out at +4% over one (measured: +45% through the gateway, +13% straight). A
+    search stopped after four restarts had ended elsewhere in that valley (0.88 ms for Qwen3's 28 layers: +38%), and
+    where it ended moved with the machine's rounding (docs/bench/gpu/README.md)."""
     assert sim_gpu("NVIDIA H100 80GB HBM3") == "H100-80GB" and sim_gpu("NVIDIA H200") == "H200"
     assert sim_gpu("NVIDIA L40S") is None and sim_gpu(None) is None
     s = gpu_preset("synthetic:opt-1.3b", Path("/tmp/x"))
