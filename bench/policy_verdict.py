@@ -42,10 +42,11 @@ from .sim_vs_real_ranking import p99_by_seed, point_of, verdict_lines
 
 
 def read(dirs: Sequence[Path]) -> list[list[dict[str, Any]]]:
-    """Each directory's real single-turn runs, read once."""
+    """Each directory's real single-turn runs, read once. A file in place of a directory is a run's rows as kept
+    (runs.jsonl, or gzipped: docs/bench/runs_*.jsonl.gz), its seeds units of their own as a directory's are."""
     runs = []
     for d in dirs:
-        path = d / "runs.jsonl"
+        path = d if d.is_file() else d / "runs.jsonl"
         if not path.is_file():
             raise FileNotFoundError(f"{d}: no runs.jsonl (not a bench.sim_vs_real run directory?)")
         runs.append([r for r in done_runs(path).values()
@@ -196,7 +197,8 @@ def verdict(dirs: Sequence[Path], replica_model: Path | None = None) -> str:
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("dirs", nargs="+", type=Path, help="bench.sim_vs_real output directories (--out)")
+    parser.add_argument("dirs", nargs="+", type=Path, help="bench.sim_vs_real output directories (--out), or the "
+                        "runs.jsonl of one, gzipped or not (docs/bench/runs_*.jsonl.gz)")
     parser.add_argument("--replica-model", type=Path, help="a together calibration (replica_together.json): set "
                         "each directory's runs beside their own step speed over it")
     args = parser.parse_args(argv)

@@ -4,6 +4,7 @@ CPU went, the default on real replicas and multi-turn chat's hit rates; the figu
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 from collections.abc import Sequence
@@ -59,10 +60,12 @@ class Run:
 
 
 def done_runs(path: Path) -> dict[str, dict[str, Any]]:
-    """The runs stored in OUT/runs.jsonl by their keys (none if it is not there yet); a rerun skips these."""
+    """The runs stored in OUT/runs.jsonl by their keys (none if it is not there yet); a rerun skips these. A `.gz`
+    path is read through gzip (a run's rows kept in docs/bench for pooling later: bench.policy_verdict)."""
     if not path.exists():
         return {}
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line]
+    text = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
+    rows = [json.loads(line) for line in text.splitlines() if line]
     return {Run(**{k: r[k] for k in ("side", "workload", "arrival", "load", "seed", "policy")},
                 repeat=r.get("repeat", 0)).key: r for r in rows}
 

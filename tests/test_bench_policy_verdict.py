@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 from pathlib import Path
 
@@ -61,6 +62,18 @@ def test_in_engine_steps_a_slow_minute_divides_out(tmp_path: Path) -> None:
     assert "Over 1 point: prefix_affinity meets it." in in_ms
     assert "| mix/poisson/0.5 | 4.0 | 4.0 |" in in_steps
     assert "Over 1 point: prefix_affinity, round_robin meet it." in in_steps
+
+
+def test_a_runs_file_kept_gzipped_counts_as_its_directory(tmp_path: Path) -> None:
+    """A run's rows kept as docs/bench keeps them (runs.jsonl gzipped, or plain) read as its directory does, each
+    file's seeds units of their own: the same pooled table, and seed by seed one unit per file."""
+    rows = [_row("prefix_affinity", 0, [20] * 98 + [500] * 3), _row("round_robin", 0, [21] * 101)]
+    run = _run_dir(tmp_path / "a", rows)
+    kept = tmp_path / "runs_a.jsonl.gz"
+    kept.write_bytes(gzip.compress((run / "runs.jsonl").read_bytes()))
+    assert read([kept]) == read([run]) == read([run / "runs.jsonl"])
+    assert seed_by_seed(read([kept, run])) == {"mix/poisson/0.5": {"round_robin": (0, 2)}}
+    assert verdict([kept]).split("\n", 1)[1] == verdict([run]).split("\n", 1)[1]
 
 
 def test_a_directory_without_runs_is_a_usage_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
