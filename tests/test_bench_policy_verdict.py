@@ -1,5 +1,5 @@
 """`bench.policy_verdict`: the real side of several `bench.sim_vs_real` runs pooled per point, then item 3's rule
-(on made-up run directories; fast)."""
+(on made-up run directories, and on the real runs kept in docs/bench; fast)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ import pytest
 
 from bench.policy_verdict import (interval_lines, main, paired_ratios, pooled, pooled_in_steps, read, seed_by_seed,
                                    verdict)
+
+BENCH = Path(__file__).resolve().parent.parent / "docs" / "bench"
 
 
 def _row(policy: str, seed: int, ttft_ms: list[float], side: str = "real", load: float = 0.5,
@@ -74,6 +76,15 @@ def test_a_runs_file_kept_gzipped_counts_as_its_directory(tmp_path: Path) -> Non
     assert read([kept]) == read([run]) == read([run / "runs.jsonl"])
     assert seed_by_seed(read([kept, run])) == {"mix/poisson/0.5": {"round_robin": (0, 2)}}
     assert verdict([kept]).split("\n", 1)[1] == verdict([run]).split("\n", 1)[1]
+
+
+@pytest.mark.parametrize("kept", sorted(BENCH.glob("runs_*.jsonl.gz")), ids=lambda p: p.name)
+def test_the_rows_kept_in_docs_give_the_verdict_beside_them(kept: Path) -> None:
+    """Each real run kept in docs/bench (runs_NAME.jsonl.gz) gives, read again, the verdict its page quotes
+    (policy_verdict_NAME.md, whose first lines say how it was made): the figures in the docs are the rows'."""
+    page = BENCH / ("policy_verdict_" + kept.name.removeprefix("runs_").removesuffix(".jsonl.gz") + ".md")
+    body = verdict([kept])
+    assert body.startswith("Real vLLM-CPU, p99 TTFT") and body in page.read_text()
 
 
 def test_a_directory_without_runs_is_a_usage_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
