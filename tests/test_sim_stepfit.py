@@ -360,9 +360,17 @@ def test_the_h200_needs_its_own_data_and_each_of_its_models_is_predicted_from_th
     assert np.mean(np.abs(stepfit.errors_of(scaled, own))) > 0.25
 
 
-def test_the_report_prints_the_table() -> None:
-    """`sim stepfit` prints the constants and one held-out row per model and GPU."""
+def test_the_report_prints_the_table(measurements: list[Measurement], held_out: list[stepfit.HeldOut],
+                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """`sim stepfit` prints the constants and one held-out row per model and GPU (the held-out table is the
+    module's, fitted once: `report` would fit it again)."""
+    loaded: list[Path] = []
+    monkeypatch.setattr(stepfit, "load_all", lambda data_dir: loaded.append(data_dir) or measurements)
+    monkeypatch.setattr(stepfit, "leave_one_model_out",
+                        lambda rows, host_layers: held_out if host_layers == stepfit.LAYER_REF else [])
     text = stepfit.report(Path(DATA))
+    monkeypatch.undo()
+    assert loaded == [Path(DATA)]
     assert "Leave one model out" in text and "| H100-64GB | llama-2-13b |" in text
     assert "| A100-40GB | llama-3-8b |" in text
     assert "within 15% (mean abs error): 36 of 41" in text and "| H200 | qwen3-1.7b |" in text
