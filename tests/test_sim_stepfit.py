@@ -365,12 +365,13 @@ def test_the_report_prints_the_table(measurements: list[Measurement], held_out: 
     """`sim stepfit` prints the constants and one held-out row per model and GPU (the held-out table is the
     module's, fitted once: `report` would fit it again)."""
     loaded: list[Path] = []
+    fitted: list[tuple[object, int]] = []
     monkeypatch.setattr(stepfit, "load_all", lambda data_dir: loaded.append(data_dir) or measurements)
     monkeypatch.setattr(stepfit, "leave_one_model_out",
-                        lambda rows, host_layers: held_out if host_layers == stepfit.LAYER_REF else [])
+                        lambda rows, host_layers: fitted.append((rows, host_layers)) or held_out)
     text = stepfit.report(Path(DATA))
     monkeypatch.undo()
-    assert loaded == [Path(DATA)]
+    assert loaded == [Path(DATA)] and fitted == [(measurements, stepfit.LAYER_REF)]
     assert "Leave one model out" in text and "| H100-64GB | llama-2-13b |" in text
     assert "| A100-40GB | llama-3-8b |" in text
     assert "within 15% (mean abs error): 36 of 41" in text and "| H200 | qwen3-1.7b |" in text
