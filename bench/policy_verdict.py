@@ -41,17 +41,20 @@ from .sim_vs_real_report import DEFAULT, POLICIES, done_runs, run_by_run_lines, 
 from .sim_vs_real_ranking import p99_by_seed, point_of, verdict_lines
 
 
+def read_rows(d: Path) -> list[dict[str, Any]]:
+    """Every run of one directory (its runs.jsonl), or of a file in its place: a run's rows as kept (runs.jsonl,
+    or gzipped: docs/bench/runs_*.jsonl.gz)."""
+    path = d if d.is_file() else d / "runs.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"{d}: no runs.jsonl (not a bench.sim_vs_real run directory?)")
+    return list(done_runs(path).values())
+
+
 def read(dirs: Sequence[Path]) -> list[list[dict[str, Any]]]:
-    """Each directory's real single-turn runs, read once. A file in place of a directory is a run's rows as kept
-    (runs.jsonl, or gzipped: docs/bench/runs_*.jsonl.gz), its seeds units of their own as a directory's are."""
-    runs = []
-    for d in dirs:
-        path = d if d.is_file() else d / "runs.jsonl"
-        if not path.is_file():
-            raise FileNotFoundError(f"{d}: no runs.jsonl (not a bench.sim_vs_real run directory?)")
-        runs.append([r for r in done_runs(path).values()
-                     if r["side"] == "real" and r["workload"] != "chat" and r["ttft_s"]])
-    return runs
+    """Each directory's real single-turn runs, read once (`read_rows`); a file's seeds are units of their own as a
+    directory's are."""
+    return [[r for r in read_rows(d) if r["side"] == "real" and r["workload"] != "chat" and r["ttft_s"]]
+            for d in dirs]
 
 
 def pooled(runs: Sequence[Sequence[dict[str, Any]]]) -> dict[str, dict[str, tuple[float, int, int]]]:
