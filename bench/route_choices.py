@@ -7,7 +7,9 @@ and the replica it went to. From them, at each request's send, each replica's ou
 counts them: a request in flight holds its prompt until its first token, then its output budget, counted down as
 it streams (here linearly from the first token to the end; the output's length from the run's own TPOT). The
 share of requests that went to the replica with the fewest outstanding tokens then says how much a policy follows
-tokens: `least_outstanding_tokens` should be near 1, round robin near what chance gives.
+tokens: `least_outstanding_tokens` should be near 1, round robin near what chance gives. A simulated side's runs
+(`sim serve` replicas behind the same gateway) are judged the same way, apart: whether the simulator routes as the
+real side did.
 
 Only requests that had a choice count: where the fewest was ahead of the next by `margin` tokens or more (a tie, or
 a near one, is no choice). The client's view lags the gateway's by a network hop and the stream's buffering, so
@@ -88,6 +90,7 @@ def to_fewest(fl: Sequence[Flight], replicas: Sequence[str], margin: float) -> t
 class Share:
     """One run's share of requests sent to the replica with the fewest outstanding tokens."""
 
+    side: str
     point: str
     policy: str
     seed: int
@@ -100,31 +103,38 @@ class Share:
 
 
 def shares(rows: Sequence[dict[str, Any]], margin: float = 40.0) -> list[Share]:
-    """`to_fewest` of every real single-turn run that can say (`flights`); the replicas of a run: those its
-    directory's runs sent to."""
-    real = [r for r in rows if r["side"] == "real" and r["workload"] != "chat"]
-    replicas = sorted({f[3] for r in real for f in (r.get("firsts") or []) if f[3]})
+    """`to_fewest` of every single-turn run that can say (`flights`), real and simulated (a simulated side's runs go
+    through the same gateway to `sim serve` replicas: whether the simulator routes as the real side did); the
+    replicas of a run: those its side's runs sent to."""
+    single = [r for r in rows if r["workload"] != "chat"]
     out = []
-    for r in real:
-        fl = flights(r)
-        if fl:
-            out.append(Share(point_of(r), r["policy"], r["seed"], *to_fewest(fl, replicas, margin)))
+    for side in sorted({r["side"] for r in single}, key=lambda s: (s != "real", s)):
+        runs = [r for r in single if r["side"] == side]
+        replicas = sorted({f[3] for r in runs for f in (r.get("firsts") or []) if f[3]})
+        for r in runs:
+            fl = flights(r)
+            if fl:
+                out.append(Share(side, point_of(r), r["policy"], r["seed"], *to_fewest(fl, replicas, margin)))
     return out
 
 
 def share_lines(found: Sequence[Share], margin: float) -> list[str]:
-    """Per point and policy: the median share over the seeds, its range, the seeds and the requests that had a
-    choice."""
-    by: dict[tuple[str, str], list[Share]] = {}
+    """Per point, side and policy: the median share over the seeds, its range, the seeds and the requests that had
+    a choice."""
+    by: dict[tuple[str, str, str], list[Share]] = {}
     for s in found:
         if s.had:
-            by.setdefault((s.point, s.policy), []).append(s)
-    body = [[pt, pol, f"{np.median([s.share for s in ss]):.0%}",
-             f"{min(s.share for s in ss):.0%}-{max(s.share for s in ss):.0%}", len(ss), sum(s.had for s in ss)]
-            for (pt, pol), ss in sorted(by.items())]
+            by.setdefault((s.point, s.side, s.policy), []).append(s)
+    order = sorted(by, key=lambda k: (k[0], k[1] != "real", k[1], k[2]))
+    body: list[list[object]] = []
+    for key in order:
+        values = [s.share for s in by[key]]
+        body.append([*key, f"{np.median(values):.0%}", f"{min(values):.0%}-{max(values):.0%}", len(values),
+                     sum(s.had for s in by[key])])
     return [f"Requests sent to the replica with the fewest outstanding tokens at their send, as the client's "
             f"timings rebuild them (where the fewest led by {margin:g} tokens or more):", "",
-            markdown_table(["point", "policy", "share (median over seeds)", "range", "seeds", "requests"], body), ""]
+            markdown_table(["point", "side", "policy", "share (median over seeds)", "range", "seeds", "requests"],
+                           body), ""]
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -143,7 +153,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     except FileNotFoundError as e:
         parser.error(str(e))
     if not any(s.had for s in found):
-        parser.error("no real single-turn run recorded each request's replica and timings (`firsts`)")
+        parser.error("no single-turn run recorded each request's replica and timings (`firsts`)")
     print("\n".join(share_lines(found, args.margin)))
 
 

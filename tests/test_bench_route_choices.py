@@ -80,15 +80,27 @@ def test_an_idle_replica_is_a_choice_too() -> None:
     assert to_fewest(flights(row), [A, B], margin=40) == (0, 1)
 
 
+def test_a_simulated_side_is_judged_apart_on_its_own_replicas() -> None:
+    """The same schedule on the real side (replicas A, B) and on a simulated one (C, D), both sent to the lighter
+    replica: each side's share is 1.0 over its own two replicas (the other side's, idle in its runs, would have been
+    the fewest for every request), and the real side comes first."""
+    C, D = "http://127.0.0.1:19010", "http://127.0.0.1:19011"
+    real = _row("least_outstanding_tokens", [(0.0, 0.5, 512, A, 1.0, 11), (0.1, 0.5, 512, B, 1.0, 11)])
+    sim = _row("least_outstanding_tokens", [(0.0, 0.5, 512, C, 1.0, 11), (0.1, 0.5, 512, D, 1.0, 11)],
+               side="sim-together")
+    found = shares([sim, real])
+    assert [(s.side, s.chose, s.had) for s in found] == [("real", 1, 1), ("sim-together", 1, 1)]
+
+
 def test_the_kept_mix_bursts_runs_show_the_default_following_tokens_as_least_outstanding_tokens_does(
         capsys: pytest.CaptureFixture[str]) -> None:
     """docs/routing.md quotes this table (seeds 38-49 at `mix` bursts 80%): the default and
     `least_outstanding_tokens` sent 92% of the requests that had a choice to the lighter replica, round robin 58%."""
     main([str(BENCH / "runs_mix_gamma80_seeds38-49_2026-12-02.jsonl.gz")])
     out = capsys.readouterr().out
-    assert "| mix/gamma/0.8 | prefix_affinity | 92% | 85%-99% | 12 |" in out
-    assert "| mix/gamma/0.8 | least_outstanding_tokens | 92% | 88%-98% | 12 |" in out
-    assert "| mix/gamma/0.8 | round_robin | 58% | 52%-64% | 12 |" in out
+    assert "| mix/gamma/0.8 | real | prefix_affinity | 92% | 85%-99% | 12 |" in out
+    assert "| mix/gamma/0.8 | real | least_outstanding_tokens | 92% | 88%-98% | 12 |" in out
+    assert "| mix/gamma/0.8 | real | round_robin | 58% | 52%-64% | 12 |" in out
 
 
 def test_bad_input_is_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -100,7 +112,7 @@ def test_bad_input_is_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFixtur
                                                      "repeat": 0}) + "\n")
     with pytest.raises(SystemExit):
         main([str(tmp_path)])
-    assert "no real single-turn run" in capsys.readouterr().err
+    assert "no single-turn run recorded" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main([str(tmp_path), "--margin", "-1"])
     assert "--margin" in capsys.readouterr().err
