@@ -8,6 +8,9 @@ in how many runs the default's p99 was the lower against each other policy (a si
 in one seed cannot swing as it swings a pooled p99). And how sure each pooled ratio is: the default's pooled p99
 over each other policy's, with a 90% interval from resampling the seeds (a seed of one directory is one unit, and
 a resample takes whole units, both policies' runs of that seed together, so the schedule they shared stays paired).
+Then the typical seed: the geometric mean over those seeds of the default's p99 over the other policy's in the same
+seed, with its interval from the same resampling. A pooled p99 follows the few seeds with the slowest requests; here
+each seed is one term of a mean, so the figure says how far apart the policies are in a usual run.
 
     python -m bench.policy_verdict runs/svr-a runs/svr-b [--replica-model runs/svr-a/replica_together.json]
 
@@ -134,14 +137,38 @@ def paired_ratios(runs: Sequence[Sequence[dict[str, Any]]], default: str = DEFAU
     return out
 
 
+def seed_means(runs: Sequence[Sequence[dict[str, Any]]], default: str = DEFAULT, resamples: int = 1000,
+               seed: int = 0) -> dict[str, dict[str, Ratio]]:
+    """point -> other policy -> the geometric mean, over the seeds both ran, of the default's p99 TTFT over the
+    other's in that seed, with a 90% interval from resampling those seeds with replacement."""
+    rng = np.random.default_rng(seed)
+    out: dict[str, dict[str, Ratio]] = {}
+    for point, units in sorted(seed_units(runs).items()):
+        others = sorted({p for by in units.values() for p in by} - {default})
+        for other in others:
+            logs = np.array([np.log(np.percentile(by[default], 99) / np.percentile(by[other], 99))
+                             for by in units.values() if default in by and other in by])
+            if len(logs) < 2:
+                continue
+            draws = [logs[rng.integers(0, len(logs), len(logs))].mean() for _ in range(resamples)]
+            low, high = np.exp(np.percentile(draws, [5, 95]))
+            out.setdefault(point, {})[other] = Ratio(float(np.exp(logs.mean())), float(low), float(high), len(logs))
+    return out
+
+
+def _ratio_table(ratios: dict[str, dict[str, Ratio]], default: str) -> str:
+    others = sorted({p for by in ratios.values() for p in by})
+    body = [[pt, *(f"{by[p].ratio:.2f} ({by[p].low:.2f}-{by[p].high:.2f}; {by[p].seeds})" if p in by else ""
+                   for p in others)] for pt, by in ratios.items()]
+    return markdown_table(["point", *(f"{default} / {p}" for p in others)], body)
+
+
 def interval_lines(ratios: dict[str, dict[str, Ratio]], default: str = DEFAULT, blind: str = "round_robin",
                    within: float = 0.10) -> list[str]:
     """The table of `paired_ratios`, and which of item 3's two conditions (`verdict_lines`' marks) the seeds show
     broken (the interval wholly past the mark: 1 + `within` x another policy, 1.00 x `blind`) and which they cannot
     tell."""
     others = sorted({p for by in ratios.values() for p in by})
-    body = [[pt, *(f"{by[p].ratio:.2f} ({by[p].low:.2f}-{by[p].high:.2f}; {by[p].seeds})" if p in by else ""
-                   for p in others)] for pt, by in ratios.items()]
     marks = {p: 1.0 if p == blind else 1 + within for p in others}
     broken = [f"{pt} against {p} ({r.low:.2f}-{r.high:.2f} x)" for pt, by in ratios.items() for p, r in by.items()
               if r.low > marks[p]]
@@ -149,12 +176,22 @@ def interval_lines(ratios: dict[str, dict[str, Ratio]], default: str = DEFAULT, 
               for p, r in by.items() if r.ratio > marks[p] >= r.low]
     lines = [f"The default's pooled p99 TTFT over each other policy's, on the seeds both ran, with a 90% interval "
              "from resampling those seeds (seeds):", "",
-             markdown_table(["point", *(f"{default} / {p}" for p in others)], body), ""]
+             _ratio_table(ratios, default), ""]
     lines.append(f"The seeds show the default past item 3's marks (within {1 + within:.2f} x each policy, at most "
                  f"1.00 x {blind.replace('_', ' ')}) at: " + ("; ".join(broken) if broken else "no point") + ".")
     if unsure:
         lines.append("Past a mark pooled, but inside the seeds' noise: " + "; ".join(unsure) + ".")
     return [*lines, ""]
+
+
+def seed_mean_lines(means: dict[str, dict[str, Ratio]], default: str = DEFAULT) -> list[str]:
+    """The table of `seed_means`."""
+    if not means:
+        return []
+    return ["The typical seed: the geometric mean over the seeds both ran of the default's p99 TTFT over each "
+            "other policy's in the same seed, with a 90% interval from resampling those seeds (seeds). Each seed "
+            "is one term here, where a pooled p99 follows the seeds with the slowest requests:", "",
+            _ratio_table(means, default), ""]
 
 
 def verdict(dirs: Sequence[Path], replica_model: Path | None = None) -> str:
@@ -186,6 +223,7 @@ def verdict(dirs: Sequence[Path], replica_model: Path | None = None) -> str:
                   "was lower than each other policy's (a coin: half):", "",
                   markdown_table(["point", *(f"default lower than {p}" for p in others)], body), ""]
     lines += interval_lines(paired_ratios(runs))
+    lines += seed_mean_lines(seed_means(runs))
     if replica_model is not None:
         if not replica_model.is_file():
             raise FileNotFoundError(f"--replica-model {replica_model}: no such file")

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from bench.policy_verdict import (interval_lines, main, paired_ratios, pooled, pooled_in_steps, read, seed_by_seed,
-                                   verdict)
+                                   seed_means, verdict)
 
 BENCH = Path(__file__).resolve().parent.parent / "docs" / "bench"
 
@@ -127,6 +127,27 @@ def test_a_policy_slower_in_every_seed_is_shown_past_the_mark(tmp_path: Path) ->
     ratios = paired_ratios(read([_run_dir(tmp_path / "a", rows)]))
     assert ratios["mix/poisson/0.5"]["round_robin"].low > 1.3
     assert "at: mix/poisson/0.5 against round_robin" in "\n".join(interval_lines(ratios))
+
+
+def test_the_typical_seed_is_a_geometric_mean_over_seeds_where_one_seed_is_one_term(tmp_path: Path) -> None:
+    """Seed by seed the default is 2 x round robin, then 0.5 x, then level twice: the typical seed is 1.0 x, its
+    interval inside 0.5-2. Pooled, the seed at 40 ms sets the default's p99 (40 against 20): 2 x. A point with a
+    single shared seed gets no mean."""
+    rows = [_row("prefix_affinity", 0, [40] * 100), _row("round_robin", 0, [20] * 100),
+            _row("prefix_affinity", 1, [10] * 100), _row("round_robin", 1, [20] * 100),
+            *(r for seed in (2, 3) for r in (_row("prefix_affinity", seed, [20] * 100),
+                                             _row("round_robin", seed, [20] * 100))),
+            _row("prefix_affinity", 0, [20] * 100, load=0.8), _row("round_robin", 0, [30] * 100, load=0.8)]
+    runs = read([_run_dir(tmp_path / "a", rows)])
+    means = seed_means(runs)
+    assert list(means) == ["mix/poisson/0.5"]
+    typical = means["mix/poisson/0.5"]["round_robin"]
+    assert typical.seeds == 4 and typical.ratio == pytest.approx(1.0)
+    assert 0.5 <= typical.low < 1.0 < typical.high <= 2.0
+    assert paired_ratios(runs)["mix/poisson/0.5"]["round_robin"].ratio == pytest.approx(2.0)
+    text = verdict([tmp_path / "a"])
+    assert "The typical seed: the geometric mean" in text
+    assert f"| mix/poisson/0.5 | 1.00 ({typical.low:.2f}-{typical.high:.2f}; 4) |" in text
 
 
 def test_with_a_replica_model_each_directorys_runs_are_set_beside_their_speed(
