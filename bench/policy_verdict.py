@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -114,26 +114,32 @@ class Ratio:
     seeds: int
 
 
+def _shared_seeds(runs: Sequence[Sequence[dict[str, Any]]], default: str
+                  ) -> Iterator[tuple[str, str, list[tuple[np.ndarray, np.ndarray]]]]:
+    """(point, other policy, [(the default's TTFTs, the other's) for each seed both ran]) where they share 2 or
+    more seeds: the pairs `paired_ratios` and `seed_means` resample."""
+    for point, units in sorted(seed_units(runs).items()):
+        for other in sorted({p for by in units.values() for p in by} - {default}):
+            shared = [(by[default], by[other]) for by in units.values() if default in by and other in by]
+            if len(shared) >= 2:
+                yield point, other, shared
+
+
 def paired_ratios(runs: Sequence[Sequence[dict[str, Any]]], default: str = DEFAULT, resamples: int = 1000,
                   seed: int = 0) -> dict[str, dict[str, Ratio]]:
     """point -> other policy -> the default's pooled p99 over its pooled p99 on the seeds both ran, with a 90%
     interval from resampling those seeds with replacement (both policies' runs of a drawn seed together)."""
     rng = np.random.default_rng(seed)
     out: dict[str, dict[str, Ratio]] = {}
-    for point, units in sorted(seed_units(runs).items()):
-        others = sorted({p for by in units.values() for p in by} - {default})
-        for other in others:
-            shared = [(by[default], by[other]) for by in units.values() if default in by and other in by]
-            if len(shared) < 2:
-                continue
+    for point, other, shared in _shared_seeds(runs, default):
 
-            def ratio(picks: Sequence[int]) -> float:
-                mine = np.concatenate([shared[k][0] for k in picks])
-                theirs = np.concatenate([shared[k][1] for k in picks])
-                return float(np.percentile(mine, 99) / np.percentile(theirs, 99))
-            draws = [ratio(rng.integers(0, len(shared), len(shared))) for _ in range(resamples)]
-            low, high = np.percentile(draws, [5, 95])
-            out.setdefault(point, {})[other] = Ratio(ratio(range(len(shared))), float(low), float(high), len(shared))
+        def ratio(picks: Sequence[int]) -> float:
+            mine = np.concatenate([shared[k][0] for k in picks])
+            theirs = np.concatenate([shared[k][1] for k in picks])
+            return float(np.percentile(mine, 99) / np.percentile(theirs, 99))
+        draws = [ratio(rng.integers(0, len(shared), len(shared))) for _ in range(resamples)]
+        low, high = np.percentile(draws, [5, 95])
+        out.setdefault(point, {})[other] = Ratio(ratio(range(len(shared))), float(low), float(high), len(shared))
     return out
 
 
@@ -143,16 +149,11 @@ def seed_means(runs: Sequence[Sequence[dict[str, Any]]], default: str = DEFAULT,
     other's in that seed, with a 90% interval from resampling those seeds with replacement."""
     rng = np.random.default_rng(seed)
     out: dict[str, dict[str, Ratio]] = {}
-    for point, units in sorted(seed_units(runs).items()):
-        others = sorted({p for by in units.values() for p in by} - {default})
-        for other in others:
-            logs = np.array([np.log(np.percentile(by[default], 99) / np.percentile(by[other], 99))
-                             for by in units.values() if default in by and other in by])
-            if len(logs) < 2:
-                continue
-            draws = [logs[rng.integers(0, len(logs), len(logs))].mean() for _ in range(resamples)]
-            low, high = np.exp(np.percentile(draws, [5, 95]))
-            out.setdefault(point, {})[other] = Ratio(float(np.exp(logs.mean())), float(low), float(high), len(logs))
+    for point, other, shared in _shared_seeds(runs, default):
+        logs = np.log([np.percentile(mine, 99) / np.percentile(theirs, 99) for mine, theirs in shared])
+        draws = [logs[rng.integers(0, len(logs), len(logs))].mean() for _ in range(resamples)]
+        low, high = np.exp(np.percentile(draws, [5, 95]))
+        out.setdefault(point, {})[other] = Ratio(float(np.exp(logs.mean())), float(low), float(high), len(logs))
     return out
 
 
